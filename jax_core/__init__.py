@@ -1,0 +1,19 @@
+"""The JAX side of torch_splash: block planning, masks and the splash programs. Never imports torch."""
+
+from .errors import SplashConstraintError, SplashDtypeError
+from .kernels import TRACES, Program, program
+from .masks import CausalMask, FullMask
+from .plan import BlockSizes, Plan, plan
+
+__all__ = [
+    "BlockSizes",
+    "CausalMask",
+    "FullMask",
+    "Plan",
+    "Program",
+    "SplashConstraintError",
+    "SplashDtypeError",
+    "TRACES",
+    "plan",
+    "program",
+]

@@ -1,0 +1,118 @@
+"""The splash programs the bridge runs: one jitted forward and one jitted backward per plan.
+
+forward(q, k, v[, q_ids, kv_ids]) -> (out, row_has_keys, *residuals)
+    scales q, pads to the plan's lengths, runs the Pallas forward once under `jax.vjp` and returns
+    the vjp function's pytree leaves (q, k, v, out, logsumexp, block tables) as plain arrays, so the
+    caller can carry them as tensors.
+backward(row_has_keys, d_out, *residuals) -> (dq, dk, dv)
+    rebuilds the vjp function from those leaves and runs only the dq and dkv kernels.
+
+Rows with no visible key: the kernel returns garbage there (NaN, or a uniform average over masked
+logits). Their logsumexp is -inf or near the kernel's mask value, so we detect them from it and
+return 0 with zero gradients, as SDPA does.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _splash_mask
+
+from . import masks as _masks
+from .plan import Plan
+
+# Counts traces (not calls) of each program body: a cache hit traces nothing.
+TRACES: collections.Counter = collections.Counter()
+
+# A row whose logsumexp is below this saw only masked logits (DEFAULT_MASK_VALUE is about -2.4e38).
+_EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
+
+
+class Program:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        mask = _masks.bind(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+        factory = _splash.make_splash_mqa if plan.is_mqa else _splash.make_splash_mha
+        self.kernel = jax.vmap(
+            factory(
+                _splash_mask.MultiHeadMask([mask] * plan.num_q_heads),
+                block_sizes=_jax_block_sizes(plan),
+                attn_logits_soft_cap=plan.soft_cap,
+                head_shards=1,
+                q_seq_shards=1,
+                interpret=plan.platform != "tpu",
+            )
+        )
+        self._residual_tree = None
+        self.forward = jax.jit(self._forward)
+        self.backward = jax.jit(self._backward)
+
+    def _pad(self, x, axis: int, length: int):
+        extra = length - x.shape[axis]
+        if not extra:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths)
+
+    def _kernel_inputs(self, q, k, v):
+        p = self.plan
+        q = (q.astype(jnp.float32) * p.scale).astype(q.dtype)
+        q = self._pad(q, 2, p.q_len_padded)
+        if p.is_mqa:  # the MQA kernel takes k and v without a head axis
+            k, v = k[:, 0], v[:, 0]
+        k = self._pad(k, k.ndim - 2, p.kv_len_padded)
+        v = self._pad(v, v.ndim - 2, p.kv_len_padded)
+        return q, k, v
+
+    def _segment_ids(self, ids):
+        if not ids:
+            return None
+        q_ids, kv_ids = ids
+        return _splash.SegmentIds(
+            q=self._pad(q_ids.astype(jnp.int32), 1, self.plan.q_len_padded),
+            kv=self._pad(kv_ids.astype(jnp.int32), 1, self.plan.kv_len_padded),
+        )
+
+    def _forward(self, q, k, v, *ids):
+        TRACES["forward"] += 1
+        p = self.plan
+        q, k, v = self._kernel_inputs(q, k, v)
+        segment_ids = self._segment_ids(ids)
+        out, vjp = jax.vjp(lambda q, k, v: self.kernel(q, k, v, segment_ids), q, k, v)
+        leaves, self._residual_tree = jax.tree.flatten(vjp)
+        (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
+        row_has_keys = lse > _EMPTY_ROW_LSE  # False for -inf, NaN and masked-only rows
+        out = jnp.where(row_has_keys[..., None], out, 0).astype(out.dtype)
+        return (out[:, :, : p.q_len], row_has_keys, *leaves)
+
+    def _backward(self, row_has_keys, d_out, *leaves):
+        TRACES["backward"] += 1
+        p = self.plan
+        d_out = self._pad(d_out, 2, p.q_len_padded)
+        d_out = jnp.where(row_has_keys[..., None], d_out, 0).astype(d_out.dtype)
+        dq, dk, dv = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
+        dq = jnp.where(row_has_keys[..., None], dq, 0)
+        dq = (dq[:, :, : p.q_len].astype(jnp.float32) * p.scale).astype(dq.dtype)
+        dk, dv = dk[..., : p.kv_len, :], dv[..., : p.kv_len, :]
+        if p.is_mqa:
+            dk, dv = dk[:, None], dv[:, None]
+        return dq, dk, dv
+
+
+def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
+    fields = plan.block_sizes()
+    for layout in ("q_layout", "k_layout", "v_layout"):
+        if layout in fields:
+            fields[layout] = _splash.QKVLayout[fields[layout]]
+    return _splash.BlockSizes(**fields)
+
+
+@functools.lru_cache(maxsize=128)
+def program(plan: Plan) -> Program:
+    """The compiled program for a plan; a second call with an equal plan traces nothing."""
+    return Program(plan)

@@ -1,0 +1,177 @@
+"""Every check on the caller's tensors and options, in SDPA's terms, before any JAX work."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from jax_core import SplashConstraintError, SplashDtypeError
+from jax_core.masks import CausalMask, FullMask
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@dataclasses.dataclass
+class Call:
+    """A checked call, batched (B, H, L, D) whatever the caller passed."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    segment_ids: tuple[torch.Tensor, torch.Tensor] | None
+    mask: object
+    scale: float
+    soft_cap: float | None
+    unbatched: bool
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in t.shape) + ")"
+
+
+def _check_tensors(q, k, v) -> bool:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise SplashConstraintError(
+            f"q, k, v have shapes {_shape(q)}, {_shape(k)}, {_shape(v)}: expected all 4-D "
+            "(batch, heads, seq_len, head_dim), or all 3-D (heads, seq_len, head_dim) for unbatched input."
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() == 0:
+            raise SplashConstraintError(f"{name} has shape {_shape(t)} with a zero-sized dimension: nothing to attend.")
+    if not (q.device == k.device == v.device):
+        raise SplashConstraintError(
+            f"q, k, v are on devices {q.device}, {k.device}, {v.device}: move them to one device."
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.dtype.is_floating_point:
+            raise SplashDtypeError(f"{name} has dtype {t.dtype}: attention needs float32 or bfloat16 inputs.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise SplashDtypeError(
+            f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}: they must match; cast them to one of "
+            "torch.float32 or torch.bfloat16."
+        )
+    if q.dtype not in _DTYPES:
+        raise SplashDtypeError(
+            f"q, k, v have dtype {q.dtype}: the splash kernels take torch.float32 or torch.bfloat16; cast to one."
+        )
+    unbatched = q.dim() == 3
+    if not unbatched and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise SplashConstraintError(
+            f"q, k, v have batch sizes {q.shape[0]}, {k.shape[0]}, {v.shape[0]}: they must be equal."
+        )
+    if k.shape[:-1] != v.shape[:-1]:
+        raise SplashConstraintError(
+            f"k {_shape(k)} and v {_shape(v)} must share every dimension but the last (batch, heads, "
+            "seq_len); only their head_dim may differ."
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise SplashConstraintError(
+            f"q has head_dim {q.shape[-1]} but k has {k.shape[-1]}: q and k must share head_dim "
+            "(v may differ)."
+        )
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq % hkv:
+        nearest = sorted(d for d in range(1, hq + 1) if hq % d == 0)
+        raise SplashConstraintError(
+            f"q has {hq} heads and k, v have {hkv}: the number of query heads must be a multiple of "
+            f"the number of key/value heads (MHA, GQA, MQA). Valid kv head counts for {hq} query "
+            f"heads: {nearest}."
+        )
+    return unbatched
+
+
+def _check_mask(mask):
+    if mask is None:
+        return FullMask()
+    if isinstance(mask, str):
+        if mask == "causal":
+            return CausalMask(0)
+        raise SplashConstraintError(f"mask={mask!r}: the only string mask is 'causal' (SDPA's is_causal).")
+    if isinstance(mask, (FullMask, CausalMask)):
+        return mask
+    raise SplashConstraintError(
+        f"mask of type {type(mask).__name__}: pass None, 'causal' or a torch_splash.masks mask "
+        "such as CausalMask(offset)."
+    )
+
+
+def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str, device) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(ids).__name__}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise SplashDtypeError(f"{name} has dtype {ids.dtype}: segment ids are integers (e.g. torch.int32).")
+    expected = (length,) if batch is None else (batch, length)
+    if tuple(ids.shape) != expected:
+        hint = ""
+        if ids.dim() == len(expected) and ids.shape[-1] > length:
+            hint = (
+                f" If the ids cover a preallocated cache longer than the keys, pass only the filled "
+                f"part: {name}[..., :{length}]."
+            )
+        raise SplashConstraintError(
+            f"{name} has shape {_shape(ids)} but must be {tuple(expected)}: one id per position of "
+            f"{length_name}={length}.{hint}"
+        )
+    return ids.to(device=device, dtype=torch.int32)
+
+
+def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, torch.Tensor):
+        if q_len != kv_len:
+            raise SplashConstraintError(
+                f"segment_ids is a single tensor but Lq={q_len} != Lkv={kv_len}: pass a pair "
+                "(q_ids, kv_ids) with shapes (B, Lq) and (B, Lkv)."
+            )
+        ids = _check_ids("segment_ids", segment_ids, batch, q_len, "Lq", device)
+        return ids, ids
+    if isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2:
+        q_ids = _check_ids("segment_ids[0] (q ids)", segment_ids[0], batch, q_len, "Lq", device)
+        kv_ids = _check_ids("segment_ids[1] (kv ids)", segment_ids[1], batch, kv_len, "Lkv", device)
+        return q_ids, kv_ids
+    raise TypeError(
+        "segment_ids must be an int tensor (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv))."
+    )
+
+
+def _check_number(name: str, value, positive: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise SplashConstraintError(f"{name}={value!r}: expected a finite float or None.")
+    if positive and value <= 0:
+        raise SplashConstraintError(f"{name}={value!r}: must be > 0 (or None to disable).")
+    return float(value)
+
+
+def check_call(q, k, v, mask, scale, segment_ids, soft_cap) -> Call:
+    unbatched = _check_tensors(q, k, v)
+    if unbatched:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    batch, _, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    ids = _check_segment_ids(segment_ids, None if unbatched else batch, q_len, kv_len, q.device)
+    if ids is not None and unbatched:
+        ids = (ids[0].unsqueeze(0), ids[1].unsqueeze(0))
+    scale = _check_number("scale", scale, positive=False)
+    return Call(
+        q=q,
+        k=k,
+        v=v,
+        segment_ids=ids,
+        mask=_check_mask(mask),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        soft_cap=_check_number("soft_cap", soft_cap, positive=True),
+        unbatched=unbatched,
+    )
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return _DTYPES[t.dtype]

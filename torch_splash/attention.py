@@ -1,0 +1,83 @@
+"""`torch_splash.attention`: splash attention for torch tensors, with gradients."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+import jax_core
+
+from . import _checks, _transport
+
+
+class _SplashAttention(torch.autograd.Function):
+    """Forward runs the Pallas forward once and keeps its residuals as tensors; backward runs only
+    the dq and dkv kernels on them (no recomputation of the forward)."""
+
+    @staticmethod
+    def forward(ctx, program, q, k, v, *segment_ids):
+        device = q.device
+        out, row_has_keys, *residuals = program.forward(*_transport.to_jax([q, k, v, *segment_ids]))
+        ctx.program = program
+        ctx.device = device
+        ctx.num_ids = len(segment_ids)
+        if any(ctx.needs_input_grad[1:4]):
+            ctx.save_for_backward(*_transport.to_torch([row_has_keys, *residuals], device))
+        return _transport.to_torch([out], device)[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        row_has_keys, *residuals = _transport.to_jax(list(ctx.saved_tensors))
+        (d_out,) = _transport.to_jax([d_out])
+        grads = ctx.program.backward(row_has_keys, d_out, *residuals)
+        dq, dk, dv = _transport.to_torch(grads, ctx.device)
+        return (None, dq, dk, dv) + (None,) * ctx.num_ids
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    scale: float | None = None,
+    segment_ids=None,
+    soft_cap: float | None = None,
+    block_sizes: jax_core.BlockSizes | None = None,
+) -> torch.Tensor:
+    """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lkv, D), v (B, Hkv, Lkv, Dv), or the same without B. Hq must be a
+    multiple of Hkv (GQA groups consecutive query heads, like SDPA's enable_gqa; Hkv == 1 uses the
+    MQA kernel). Returns (B, Hq, Lq, Dv) with q's dtype and device.
+
+    mask: None, "causal" (SDPA's is_causal, top-left aligned) or a `torch_splash.masks` mask.
+    scale: defaults to 1/sqrt(D). soft_cap: tanh capping of the scaled logits (Gemma 2).
+    segment_ids: int (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv)); a query
+    sees only keys with its id. block_sizes: `BlockSizes(...)`; fields left None are planned.
+
+    Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
+    work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
+    """
+    call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap)
+    platform = _transport.platform_of(call.q.device)
+    batch, hq, q_len, head_dim = call.q.shape
+    plan = jax_core.plan(
+        batch=batch,
+        num_q_heads=hq,
+        num_kv_heads=call.k.shape[1],
+        q_len=q_len,
+        kv_len=call.k.shape[2],
+        head_dim=head_dim,
+        head_dim_v=call.v.shape[-1],
+        dtype=_checks.dtype_name(call.q),
+        mask=call.mask,
+        scale=call.scale,
+        soft_cap=call.soft_cap,
+        has_segment_ids=call.segment_ids is not None,
+        block_sizes=block_sizes,
+        platform=platform,
+    )
+    out = _SplashAttention.apply(jax_core.program(plan), call.q, call.k, call.v, *(call.segment_ids or ()))
+    return out.squeeze(0) if call.unbatched else out
