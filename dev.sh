@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The two set-up commands of the README:
+#   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
+#   ./dev.sh test [args]   installs what is missing, runs the test suite (extra args go to pytest)
+# The venv lives in .venv and is rebuilt only when pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=$(command -v python3.11 || command -v python3)
+stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "[dev.sh] installing the pinned set into .venv (first run: a few minutes, torch is large)" >&2
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test]'
+  rm -f .venv/.installed-* && touch "$stamp"
+fi
+export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
+cmd="${1:-}"; shift || true
+case "$cmd" in
+  demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
+  test) exec .venv/bin/python -m pytest "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args]" >&2; exit 2 ;;
+esac
