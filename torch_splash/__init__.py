@@ -3,6 +3,6 @@
 from jax_core import BlockSizes, SplashConstraintError, SplashDtypeError
 
 from . import masks
-from .attention import attention
+from .bridge import attention
 
 __all__ = ["BlockSizes", "SplashConstraintError", "SplashDtypeError", "attention", "masks"]

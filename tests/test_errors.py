@@ -1,0 +1,146 @@
+"""Every splash constraint is checked before any JAX work, with an error in the caller's terms."""
+
+import pytest
+import torch
+
+import jax_core
+import torch_splash
+from helpers import assert_matches_reference, make_qkv
+from torch_splash import BlockSizes, SplashConstraintError, SplashDtypeError
+
+
+@pytest.fixture(autouse=True)
+def no_jax_work(monkeypatch):
+    """Fail if a bad call reaches the kernel builder: checks must come first."""
+    import torch_splash.bridge as bridge
+
+    def refuse(plan):
+        raise AssertionError("JAX work started before the error")
+
+    monkeypatch.setattr(bridge.jax_core, "program", refuse)
+
+
+def qkv(hq=4, hkv=2, q_len=16, kv_len=16, d=64, dv=64, dtype=torch.float32, batch=2):
+    return make_qkv(batch, hq, hkv, q_len, kv_len, d, dv, dtype)
+
+
+def raises(exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        torch_splash.attention(*args, **kwargs)
+
+
+def test_error_types_are_documented_subclasses():
+    assert issubclass(SplashConstraintError, ValueError)
+    assert issubclass(SplashDtypeError, TypeError)
+
+
+# --- The three seeds ------------------------------------------------------------------------
+
+
+def test_seed_block_kv_not_multiple_of_lanes_names_128():
+    # The seed's report claims NUM_LANES is 8; it is 128, and we say so.
+    raises(SplashConstraintError, r"block_sizes\.block_kv=8 is not a multiple of 128.*Use 128", *qkv(),
+           block_sizes=BlockSizes(block_kv=8))
+    raises(SplashConstraintError, r"block_sizes\.block_kv_dq=100 is not a multiple of 128.*Use 128", *qkv(),
+           block_sizes=BlockSizes(block_kv_dq=100))
+    raises(SplashConstraintError, r"block_kv_compute=200 .*Use 128 or 256", *qkv(),
+           block_sizes=BlockSizes(block_kv_compute=200))
+
+
+def test_seed_kv_segment_ids_of_wrong_length_name_the_fix():
+    q, k, v = qkv(q_len=16, kv_len=40)
+    q_ids = torch.zeros(2, 16, dtype=torch.int32)
+    padded_cache_ids = torch.zeros(2, 64, dtype=torch.int32)
+    raises(SplashConstraintError, r"segment_ids\[1\] \(kv ids\) has shape \(2, 64\) but must be \(2, 40\).*"
+           r"Lkv=40.*\[\.\.\., :40\]", q, k, v, segment_ids=(q_ids, padded_cache_ids))
+    raises(SplashConstraintError, r"segment_ids\[0\] \(q ids\) has shape \(2, 15\) but must be \(2, 16\)",
+           q, k, v, segment_ids=(q_ids[:, :15], padded_cache_ids[:, :40]))
+    raises(SplashConstraintError, r"single tensor but Lq=16 != Lkv=40", q, k, v, segment_ids=q_ids)
+
+
+# --- Shapes, dtypes, devices ------------------------------------------------------------------
+
+
+def test_head_divisibility():
+    raises(SplashConstraintError, r"q has 6 heads and k, v have 4.*\[1, 2, 3, 6\]", *qkv(hq=6, hkv=4))
+
+
+def test_k_v_leading_dims():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"k \(2, 2, 16, 64\) and v \(2, 2, 17, 64\) must share", q, k, v[:, :, :15].repeat(1, 1, 2, 1)[:, :, :17])
+    raises(SplashConstraintError, r"batch sizes 2, 2, 1", q, k, v[:1])
+
+
+def test_head_dim_mismatch():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"q has head_dim 64 but k has 32", q, k[..., :32], v)
+
+
+def test_rank():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"expected all 4-D", q[0, 0], k[0, 0], v[0, 0])
+    raises(SplashConstraintError, r"expected all 4-D", q, k[0], v[0])
+
+
+def test_dtypes():
+    q, k, v = qkv()
+    raises(SplashDtypeError, r"dtypes torch.float32, torch.bfloat16, torch.float32: they must match", q, k.bfloat16(), v)
+    raises(SplashDtypeError, r"q has dtype torch.int64", q.long(), k.long(), v.long())
+    raises(SplashDtypeError, r"dtype torch.float16: .* torch.float32 or torch.bfloat16", q.half(), k.half(), v.half())
+    raises(SplashDtypeError, r"segment ids are integers", q, k, v, segment_ids=torch.zeros(2, 16))
+
+
+def test_empty_tensors():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"k has shape \(2, 2, 0, 64\) with a zero-sized dimension", q, k[:, :, :0], v[:, :, :0])
+
+
+def test_not_tensors():
+    q, k, v = qkv()
+    raises(TypeError, r"k must be a torch.Tensor", q, k.tolist(), v)
+
+
+def test_different_devices(xla_device):
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"devices cpu, xla:0, cpu: move them to one device", q, k.detach().to(xla_device), v)
+
+
+# --- Options ----------------------------------------------------------------------------------
+
+
+def test_block_size_rules():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"block_q=12 is not a multiple of 8.*Use 8 or 16", q, k, v, block_sizes=BlockSizes(block_q=12))
+    raises(SplashConstraintError, r"block_q_dkv=64 is not a multiple of 128", q, k, v, block_sizes=BlockSizes(block_q_dkv=64))
+    raises(SplashConstraintError, r"block_kv=512 is not a multiple of block_sizes.block_kv_compute=384",
+           q, k, v, block_sizes=BlockSizes(block_kv=512, block_kv_compute=384))
+    raises(SplashConstraintError, r"fused backward computes dq inside the dkv kernel", q, k, v,
+           block_sizes=BlockSizes(use_fused_bwd_kernel=True, block_q_dq=128))
+    raises(SplashConstraintError, r"block_kv=0: block sizes are positive ints", q, k, v, block_sizes=BlockSizes(block_kv=0))
+    raises(SplashConstraintError, r"pass torch_splash.BlockSizes", q, k, v, block_sizes={"block_kv": 128})
+    raises(SplashConstraintError, r"q_layout='SEQ_MINOR'.*multiple of 128", q, k, v,
+           block_sizes=BlockSizes(block_q=8, q_layout="SEQ_MINOR"))
+
+
+def test_mask_scale_soft_cap():
+    q, k, v = qkv()
+    raises(SplashConstraintError, r"mask='upper'.*'causal'", q, k, v, mask="upper")
+    raises(SplashConstraintError, r"mask of type Tensor", q, k, v, mask=torch.ones(16, 16, dtype=torch.bool))
+    raises(SplashConstraintError, r"soft_cap=0.0: must be > 0", q, k, v, soft_cap=0.0)
+    raises(SplashConstraintError, r"scale=nan", q, k, v, scale=float("nan"))
+    with pytest.raises(SplashConstraintError, match=r"offset must be an int"):
+        torch_splash.masks.CausalMask(1.5)
+
+
+# --- Seed: a block larger than the sequence is clamped, not an error ----------------------------
+
+
+def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
+    monkeypatch.undo()  # this one runs the kernels
+    q, k, v = make_qkv(1, 2, 2, 100, 512, 64, 64, torch.float32)
+    blocks = BlockSizes(block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048)
+    assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
+    plan = jax_core.plan(batch=1, num_q_heads=2, num_kv_heads=2, q_len=100, kv_len=512, head_dim=64, head_dim_v=64,
+                         dtype="float32", mask=None, scale=1.0, block_sizes=blocks)
+    assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
+    assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128
