@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import jax_core
 
@@ -26,8 +25,12 @@ class _SplashAttention(torch.autograd.Function):
         return _transport.to_torch([out], device)[0]
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out):
+        if torch.is_grad_enabled():  # create_graph=True: a graph of the backward was asked for
+            raise NotImplementedError(
+                "torch_splash.attention supports one backward pass, not double backward "
+                "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
+            )
         row_has_keys, *residuals = _transport.to_jax(list(ctx.saved_tensors))
         (d_out,) = _transport.to_jax([d_out])
         grads = ctx.program.backward(row_has_keys, d_out, *residuals)

@@ -1,0 +1,107 @@
+"""The bridge itself: zero-copy transport, devices, caching, autograd contract."""
+
+import jax
+import pytest
+import torch
+
+import jax_core
+import torch_splash
+import torch_splash.bridge as bridge
+from helpers import assert_matches_reference, make_qkv
+from torch_splash import _transport
+
+
+def _xla_pointer(t):
+    import torch_xla
+
+    return torch_xla._XLAC._unsafe_buffer_pointer(t)
+
+
+def test_dlpack_is_zero_copy_both_ways_on_cpu():
+    t = torch.randn(2, 3, 128, 64)
+    (a,) = _transport.to_jax([t])
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    (back,) = _transport.to_torch([a], t.device)
+    assert back.data_ptr() == t.data_ptr()
+
+
+def test_dlpack_is_zero_copy_both_ways_on_xla_device(xla_device):
+    t = torch.randn(2, 3, 128, 64).to(xla_device)
+    (a,) = _transport.to_jax([t])
+    assert a.unsafe_buffer_pointer() == _xla_pointer(t)
+    (back,) = _transport.to_torch([a], t.device)
+    assert back.device == t.device and _xla_pointer(back) == a.unsafe_buffer_pointer()
+
+
+def test_kernel_reads_the_callers_buffers(monkeypatch):
+    """Contiguous inputs reach the jitted program as the very buffers torch allocated."""
+    seen = {}
+    real_program = jax_core.program
+
+    class Spy:
+        def __init__(self, program):
+            self.program = program
+
+        def forward(self, *arrays):
+            seen["pointers"] = [a.unsafe_buffer_pointer() for a in arrays]
+            return self.program.forward(*arrays)
+
+    monkeypatch.setattr(bridge.jax_core, "program", lambda plan: Spy(real_program(plan)))
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32))
+    out = torch_splash.attention(q, k, v)
+    assert seen["pointers"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    assert out.device == q.device
+
+
+def test_non_contiguous_inputs_like_hf_transposed_views():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 50, h, 64, generator=g) for h in (4, 2, 2))  # (B, L, H, D)
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+    assert not q.is_contiguous()
+    assert_matches_reference(q, k, v, "causal")
+
+
+def test_second_call_traces_nothing():
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 64, 64, torch.float32, seed=3)
+    torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
+    before = dict(jax_core.TRACES)
+    for _ in range(2):
+        torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
+    assert dict(jax_core.TRACES) == before
+    torch_splash.attention(q, k, v, "causal", scale=0.5).sum().backward()  # a new option is a new program
+    assert jax_core.TRACES["forward"] == before["forward"] + 1
+    assert jax_core.TRACES["backward"] == before["backward"] + 1
+
+
+def test_backward_runs_only_the_backward_kernels():
+    plan = jax_core.plan(batch=1, num_q_heads=2, num_kv_heads=2, q_len=200, kv_len=200, head_dim=64, head_dim_v=64,
+                         dtype="float32", mask=jax_core.CausalMask(0), scale=0.125,
+                         block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=False))
+    program = jax_core.program(plan)
+    args = [jax.ShapeDtypeStruct((1, 2, 200, 64), "float32")] * 3
+    out, row_has_keys, *residuals = jax.eval_shape(program.forward, *args)
+    backward = str(jax.make_jaxpr(program.backward)(row_has_keys, out, *residuals))
+    forward = str(jax.make_jaxpr(program.forward)(*args))
+    assert forward.count("pallas_call[") == 1
+    assert backward.count("pallas_call[") == 2  # dkv and dq; no forward kernel
+    assert "splash_mha_fwd" not in backward
+
+
+def test_double_backward_is_a_clear_error():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
+    out = torch_splash.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="not double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_no_grad_inputs_save_nothing():
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32))
+    out = torch_splash.attention(q, k, v)
+    assert out.grad_fn is None
+
+
+def test_gradient_only_for_some_inputs():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
+    k.requires_grad_(False)
+    torch_splash.attention(q, k.detach(), v).sum().backward()
+    assert q.grad is not None and v.grad is not None

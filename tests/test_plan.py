@@ -1,0 +1,56 @@
+"""The planner: for any lengths and any valid caller blocks, every kernel constraint holds."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_core
+from jax_core.plan import LANES, plan_blocks
+
+lengths = st.integers(1, 70_000)
+maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
+maybe_q_block = st.none() | st.sampled_from([8, 16, 64, 128, 256, 512, 1024])
+
+
+@st.composite
+def user_blocks(draw):
+    fused = draw(st.none() | st.booleans())
+    dq = {} if fused else dict(block_q_dq=draw(st.none() | st.sampled_from([128, 256, 512])),
+                               block_kv_dq=draw(maybe_kv_block))
+    return jax_core.BlockSizes(
+        block_q=draw(maybe_q_block), block_kv=draw(maybe_kv_block), block_q_dkv=draw(st.none() | st.sampled_from([128, 512])),
+        block_kv_dkv=draw(maybe_kv_block), block_kv_compute=draw(st.none() | st.just(128)),
+        use_fused_bwd_kernel=fused, **dq,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(q_len=lengths, kv_len=lengths, user=user_blocks(), platform=st.sampled_from(["cpu", "tpu"]))
+def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform):
+    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform)
+    b = dict(blocks)
+    assert q_pad >= q_len and kv_pad >= kv_len and q_pad % LANES == 0 and kv_pad % LANES == 0
+    q_names = ["block_q", "block_q_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_q_dq"])
+    kv_names = ["block_kv", "block_kv_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_kv_dq"])
+    for n in q_names:
+        assert q_pad % b[n] == 0 and b[n] <= q_pad
+    for n in kv_names + ["block_kv_compute", "block_kv_dkv_compute"]:
+        assert b[n] % LANES == 0 and kv_pad % b[n] == 0 and b[n] <= kv_pad
+    assert b["block_q"] % 8 == 0  # TPU sublanes
+    assert all(b[n] % LANES == 0 for n in q_names[1:])  # backward q blocks sit in lanes on TPU
+    assert b["block_kv"] % b["block_kv_compute"] == 0 and b["block_kv_dkv"] % b["block_kv_dkv_compute"] == 0
+    for field in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):  # honoured unless clamped
+        given_value = getattr(user, field)
+        if given_value is not None:
+            assert b[field] == min(given_value, -(-((q_len if "q" in field.split("_")[1] else kv_len)) // LANES) * LANES)
+    if user == jax_core.BlockSizes():  # planned blocks waste at most 1/8 of the 128-aligned length
+        for length, padded in ((q_len, q_pad), (kv_len, kv_pad)):
+            aligned = -(-length // LANES) * LANES
+            assert padded - aligned <= aligned // 8
+
+
+def test_planned_blocks_prefer_large_sizes():
+    q_pad, kv_pad, blocks = plan_blocks(4096, 4096, jax_core.BlockSizes(), "cpu")
+    assert (q_pad, kv_pad) == (4096, 4096)
+    assert dict(blocks)["block_q"] == dict(blocks)["block_kv"] == 512
+    assert plan_blocks(1, 1, jax_core.BlockSizes(), "cpu")[:2] == (128, 128)
+    assert plan_blocks(1000, 1000, jax_core.BlockSizes(), "cpu")[:2] == (1024, 1024)
