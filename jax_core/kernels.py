@@ -1,11 +1,15 @@
 """The splash programs the bridge runs: one jitted forward and one jitted backward per plan.
 
-forward(q, k, v[, q_ids, kv_ids]) -> (out, row_has_keys, *residuals)
-    scales q, pads to the plan's lengths, runs the Pallas forward once under `jax.vjp` and returns
-    the vjp function's pytree leaves (q, k, v, out, logsumexp, block tables) as plain arrays, so the
-    caller can carry them as tensors.
-backward(row_has_keys, d_out, *residuals) -> (dq, dk, dv)
-    rebuilds the vjp function from those leaves and runs only the dq and dkv kernels.
+forward(q, k, v[, q_ids, kv_ids]) -> (out, logsumexp)
+    scales q, pads to the plan's lengths and runs the Pallas forward once, under `jax.vjp`.
+backward(q, k, v[, q_ids, kv_ids], out, logsumexp, d_out) -> (dq, dk, dv)
+    rebuilds the vjp function and runs only the dq and dkv kernels.
+
+The vjp function's residuals are the kernel's inputs, its output, its logsumexp and the block
+tables. Only logsumexp is new: the caller already holds q, k, v and out, and the block tables are
+constants of the program. So the caller carries two arrays from forward to backward and nothing is
+stored twice; the backward re-derives the scaled, padded kernel inputs (elementwise work, not
+the forward kernel) and rebuilds the residual tree from them.
 
 Rows with no visible key: the kernel returns garbage there (NaN, or a uniform average over masked
 logits). Their logsumexp is -inf or near the kernel's mask value, so we detect them from it and
@@ -78,23 +82,47 @@ class Program:
             kv=self._pad(kv_ids.astype(jnp.int32), 1, self.plan.kv_len_padded),
         )
 
-    def _forward(self, q, k, v, *ids):
-        TRACES["forward"] += 1
-        p = self.plan
+    def _vjp(self, q, k, v, ids):
+        """The kernel's output and vjp function, and how each residual leaf is rebuilt."""
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         out, vjp = jax.vjp(lambda q, k, v: self.kernel(q, k, v, segment_ids), q, k, v)
-        leaves, self._residual_tree = jax.tree.flatten(vjp)
-        (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
-        row_has_keys = lse > _EMPTY_ROW_LSE  # False for -inf, NaN and masked-only rows
-        out = jnp.where(row_has_keys[..., None], out, 0).astype(out.dtype)
-        return (out[:, :, : p.q_len], row_has_keys, *leaves)
+        leaves, tree = jax.tree.flatten(vjp)
+        return out, leaves, tree, [q, k, v, *(segment_ids or ())]
 
-    def _backward(self, row_has_keys, d_out, *leaves):
+    def _forward(self, q, k, v, *ids):
+        TRACES["forward"] += 1
+        out, leaves, tree, inputs = self._vjp(q, k, v, ids)
+        (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
+        # Where each residual comes from in the backward: a kernel input, the output, the
+        # logsumexp, or a constant block table (concrete, not traced).
+        self._sources = [
+            ("input", next(i for i, x in enumerate(inputs) if x is leaf)) if any(x is leaf for x in inputs)
+            else ("out", None) if leaf is out
+            else ("lse", None) if leaf is lse
+            else ("const", leaf)
+            for leaf in leaves
+        ]
+        kinds = [kind for kind, _ in self._sources]
+        assert kinds.count("out") == kinds.count("lse") == 1, kinds
+        assert not any(kind == "const" and isinstance(v, jax.core.Tracer) for kind, v in self._sources), kinds
+        self._residual_tree = tree
+        out = jnp.where((lse > _EMPTY_ROW_LSE)[..., None], out, 0).astype(out.dtype)
+        return out[:, :, : self.plan.q_len], lse
+
+    def _backward(self, q, k, v, *rest):
         TRACES["backward"] += 1
         p = self.plan
-        d_out = self._pad(d_out, 2, p.q_len_padded)
-        d_out = jnp.where(row_has_keys[..., None], d_out, 0).astype(d_out.dtype)
+        *ids, out, lse, d_out = rest
+        q, k, v = self._kernel_inputs(q, k, v)
+        segment_ids = self._segment_ids(ids)
+        inputs = [q, k, v, *(segment_ids or ())]
+        row_has_keys = lse > _EMPTY_ROW_LSE
+        # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
+        # in rowsum(out * d_out), and d_out is zeroed on those rows too.
+        found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
+        leaves = [inputs[v] if kind == "input" else found[kind] if kind in found else v for kind, v in self._sources]
+        d_out = jnp.where(row_has_keys[..., None], self._pad(d_out, 2, p.q_len_padded), 0).astype(d_out.dtype)
         dq, dk, dv = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
         dq = jnp.where(row_has_keys[..., None], dq, 0)
         dq = (dq[:, :, : p.q_len].astype(jnp.float32) * p.scale).astype(dq.dtype)
@@ -102,7 +130,6 @@ class Program:
         if p.is_mqa:
             dk, dv = dk[:, None], dv[:, None]
         return dq, dk, dv
-
 
 def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
     fields = plan.block_sizes()

@@ -45,8 +45,8 @@ def test_forward_and_backward_lower_for_tpu(config):
         args += [jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32)]
     fwd = jax.export.export(program.forward, platforms=["tpu"])(*args)
     assert _count_custom_calls(fwd) == 1
-    out, row_has_keys, *residuals = jax.eval_shape(program.forward, *args)
-    bwd = jax.export.export(program.backward, platforms=["tpu"])(row_has_keys, out, *residuals)
+    out, lse = jax.eval_shape(program.forward, *args)
+    bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
     assert _count_custom_calls(bwd) == 2  # dq and dkv; the forward is not recomputed
     assert [a.shape for a in bwd.out_avals] == [a.shape for a in args[:3]]
 
@@ -56,8 +56,8 @@ def test_fused_backward_lowers_as_one_kernel():
                  block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=True))
     program = jax_core.program(plan)
     args = [jax.ShapeDtypeStruct((1, h, 256, 128), jnp.float32) for h in (4, 2, 2)]
-    out, row_has_keys, *residuals = jax.eval_shape(program.forward, *args)
-    bwd = jax.export.export(program.backward, platforms=["tpu"])(row_has_keys, out, *residuals)
+    out, lse = jax.eval_shape(program.forward, *args)
+    bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
     assert _count_custom_calls(bwd) == 1
 
 

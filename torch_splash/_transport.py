@@ -10,20 +10,7 @@ from __future__ import annotations
 
 import torch
 
-_KDLCPU = 1
-
-
-class _Capsule:
-    """Hands an already-made DLPack capsule to `jax.dlpack.from_dlpack`, which wants an object."""
-
-    def __init__(self, capsule):
-        self._capsule = capsule
-
-    def __dlpack__(self, *args, **kwargs):
-        return self._capsule
-
-    def __dlpack_device__(self):
-        return (_KDLCPU, 0)
+from jax_core.transport import from_capsule
 
 
 def platform_of(device: torch.device) -> str:
@@ -46,11 +33,9 @@ def platform_of(device: torch.device) -> str:
 
 
 def to_jax(tensors: list[torch.Tensor]) -> list:
-    import jax.dlpack
-
     tensors = [t.detach().contiguous() for t in tensors]
     if not tensors or tensors[0].device.type == "cpu":
-        return [jax.dlpack.from_dlpack(t) for t in tensors]
+        return [from_capsule(t.__dlpack__()) for t in tensors]
     import torch_xla
     import torch_xla.utils.dlpack as xla_dlpack
 
@@ -60,7 +45,7 @@ def to_jax(tensors: list[torch.Tensor]) -> list:
             "for TPU is not implemented yet."
         )
     torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True)
-    return [jax.dlpack.from_dlpack(_Capsule(xla_dlpack.to_dlpack(t))) for t in tensors]
+    return [from_capsule(xla_dlpack.to_dlpack(t)) for t in tensors]
 
 
 def to_torch(arrays, device: torch.device) -> list[torch.Tensor]:

@@ -10,19 +10,19 @@ from . import _checks, _transport
 
 
 class _SplashAttention(torch.autograd.Function):
-    """Forward runs the Pallas forward once and keeps its residuals as tensors; backward runs only
-    the dq and dkv kernels on them (no recomputation of the forward)."""
+    """Forward runs the Pallas forward once and keeps its residuals as tensors (the inputs, the
+    output and the logsumexp); backward runs only the dq and dkv kernels on them."""
 
     @staticmethod
     def forward(ctx, program, q, k, v, *segment_ids):
         device = q.device
-        out, row_has_keys, *residuals = program.forward(*_transport.to_jax([q, k, v, *segment_ids]))
+        out, lse = _transport.to_torch(program.forward(*_transport.to_jax([q, k, v, *segment_ids])), device)
         ctx.program = program
         ctx.device = device
         ctx.num_ids = len(segment_ids)
         if any(ctx.needs_input_grad[1:4]):
-            ctx.save_for_backward(*_transport.to_torch([row_has_keys, *residuals], device))
-        return _transport.to_torch([out], device)[0]
+            ctx.save_for_backward(q, k, v, *segment_ids, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
@@ -31,9 +31,7 @@ class _SplashAttention(torch.autograd.Function):
                 "torch_splash.attention supports one backward pass, not double backward "
                 "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
             )
-        row_has_keys, *residuals = _transport.to_jax(list(ctx.saved_tensors))
-        (d_out,) = _transport.to_jax([d_out])
-        grads = ctx.program.backward(row_has_keys, d_out, *residuals)
+        grads = ctx.program.backward(*_transport.to_jax([*ctx.saved_tensors, d_out]))
         dq, dk, dv = _transport.to_torch(grads, ctx.device)
         return (None, dq, dk, dv) + (None,) * ctx.num_ids
 

@@ -1,0 +1,115 @@
+"""The bridge's cost over calling the same jitted JAX splash kernel directly, in one run.
+
+1. B=2, Hq=8, L=2048, D=128, causal, f32: forward and forward+backward through
+   `torch_splash.attention` vs the jitted JAX kernel (same planned block sizes, same data, as jax
+   arrays). Target: ratio <= 1.05.
+2. Fixed cost per call at B=1, H=1, L=128, D=64: microseconds per call for the bridge, the direct
+   JAX call and torch SDPA on the same CPU, and the bridge/SDPA ratio.
+
+Rounds alternate between the contenders so that machine noise hits both; we report medians.
+Run: ./dev.sh bench   (or: PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_bridge.py)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import torch
+import torch.nn.functional as F
+
+import jax_core
+import torch_splash
+from torch_splash import _transport
+
+
+def timed(fn, rounds):
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def contenders(batch, heads, length, dim):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, dim, generator=g) for _ in range(3))
+    do = torch.randn(batch, heads, length, dim, generator=g)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    plan = jax_core.plan(batch=batch, num_q_heads=heads, num_kv_heads=heads, q_len=length, kv_len=length,
+                         head_dim=dim, head_dim_v=dim, dtype="float32", mask=jax_core.CausalMask(0),
+                         scale=dim**-0.5)
+    kernel = jax_core.program(plan).kernel  # the same vmapped splash kernel the bridge runs
+    jq, jk, jv, jdo = _transport.to_jax([q * dim**-0.5, k, v, do])
+    jax_fwd = jax.jit(kernel)
+    jax_fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(kernel, q, k, v)[1](do))
+
+    def bridge_fwd():
+        torch_splash.attention(q, k, v, "causal")
+
+    def bridge_fwd_bwd():
+        torch_splash.attention(qg, kg, vg, "causal").backward(do)
+
+    def direct_fwd():
+        jax.block_until_ready(jax_fwd(jq, jk, jv))
+
+    def direct_fwd_bwd():
+        jax.block_until_ready(jax_fwd_bwd(jq, jk, jv, jdo))
+
+    def sdpa_fwd():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_fwd_bwd():
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
+
+    return dict(bridge_fwd=bridge_fwd, bridge_fwd_bwd=bridge_fwd_bwd, direct_fwd=direct_fwd,
+                direct_fwd_bwd=direct_fwd_bwd, sdpa_fwd=sdpa_fwd, sdpa_fwd_bwd=sdpa_fwd_bwd)
+
+
+def measure(fns, rounds, per_round):
+    for fn in fns.values():  # compile and warm up
+        fn()
+        fn()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(statistics.median(timed(fn, per_round)))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(quick: bool = False):
+    big = measure(contenders(2, 8, 2048, 128), rounds=2 if quick else 5, per_round=1)
+    small = measure(contenders(1, 1, 128, 64), rounds=3 if quick else 10, per_round=20 if quick else 100)
+    results = {
+        "large": {"shape": "B=2 H=8 L=2048 D=128 causal f32", **big,
+                  "ratio_fwd": big["bridge_fwd"] / big["direct_fwd"],
+                  "ratio_fwd_bwd": big["bridge_fwd_bwd"] / big["direct_fwd_bwd"]},
+        "small": {"shape": "B=1 H=1 L=128 D=64 causal f32", **small,
+                  "bridge_overhead_fwd_us": (small["bridge_fwd"] - small["direct_fwd"]) * 1e6,
+                  "bridge_overhead_fwd_bwd_us": (small["bridge_fwd_bwd"] - small["direct_fwd_bwd"]) * 1e6,
+                  "ratio_to_sdpa_fwd": small["bridge_fwd"] / small["sdpa_fwd"],
+                  "ratio_to_sdpa_fwd_bwd": small["bridge_fwd_bwd"] / small["sdpa_fwd_bwd"]},
+    }
+    lg, sm = results["large"], results["small"]
+    print(f"| {lg['shape']} | bridge | direct JAX | ratio (target <= 1.05) | SDPA |")
+    print("|---|---|---|---|---|")
+    print(f"| forward | {lg['bridge_fwd']*1e3:.0f} ms | {lg['direct_fwd']*1e3:.0f} ms | {lg['ratio_fwd']:.3f} | {lg['sdpa_fwd']*1e3:.0f} ms |")
+    print(f"| forward+backward | {lg['bridge_fwd_bwd']*1e3:.0f} ms | {lg['direct_fwd_bwd']*1e3:.0f} ms | {lg['ratio_fwd_bwd']:.3f} | {lg['sdpa_fwd_bwd']*1e3:.0f} ms |")
+    print()
+    print(f"| {sm['shape']} | bridge | direct JAX | bridge overhead | SDPA | bridge / SDPA |")
+    print("|---|---|---|---|---|---|")
+    print(f"| forward | {sm['bridge_fwd']*1e6:.0f} us | {sm['direct_fwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_us']:.0f} us | {sm['sdpa_fwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd']:.1f}x |")
+    print(f"| forward+backward | {sm['bridge_fwd_bwd']*1e6:.0f} us | {sm['direct_fwd_bwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_bwd_us']:.0f} us | {sm['sdpa_fwd_bwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd_bwd']:.1f}x |")
+    out = pathlib.Path(__file__).parent / "results" / "bridge.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)
