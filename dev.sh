@@ -2,6 +2,7 @@
 # The two set-up commands of the README:
 #   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
 #   ./dev.sh test [args]   installs what is missing, runs the test suite (extra args go to pytest)
+#   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 # The venv lives in .venv and is rebuilt only when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,5 +20,6 @@ cmd="${1:-}"; shift || true
 case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
   test) exec .venv/bin/python -m pytest "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args]" >&2; exit 2 ;;
+  bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | bench" >&2; exit 2 ;;
 esac

@@ -1,8 +1,10 @@
 """The bridge's cost over calling the same jitted JAX splash kernel directly, in one run.
 
-1. B=2, Hq=8, L=2048, D=128, causal, f32: forward and forward+backward through
-   `torch_splash.attention` vs the jitted JAX kernel (same planned block sizes, same data, as jax
-   arrays). Target: ratio <= 1.05.
+1. B=2, Hq=8, L=2048, D=128, causal, f32: forward (no grad: vs the jitted kernel), forward with
+   inputs that require grad (vs the jitted `jax.vjp` forward, which also keeps residuals) and
+   forward+backward (vs one jitted `jax.vjp` forward and backward), all through
+   `torch_splash.attention` vs the same vmapped splash kernel (same planned block sizes, same
+   data, as jax arrays). Target: ratio <= 1.05.
 2. Fixed cost per call at B=1, H=1, L=128, D=64: microseconds per call for the bridge, the direct
    JAX call and torch SDPA on the same CPU, and the bridge/SDPA ratio.
 
@@ -48,15 +50,22 @@ def contenders(batch, heads, length, dim):
     jq, jk, jv, jdo = _transport.to_jax([q * dim**-0.5, k, v, do])
     jax_fwd = jax.jit(kernel)
     jax_fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(kernel, q, k, v)[1](do))
+    jax_fwd_train = jax.jit(lambda q, k, v: jax.vjp(kernel, q, k, v))
 
     def bridge_fwd():
         torch_splash.attention(q, k, v, "causal")
+
+    def bridge_fwd_train():
+        torch_splash.attention(qg, kg, vg, "causal")
 
     def bridge_fwd_bwd():
         torch_splash.attention(qg, kg, vg, "causal").backward(do)
 
     def direct_fwd():
         jax.block_until_ready(jax_fwd(jq, jk, jv))
+
+    def direct_fwd_train():
+        jax.block_until_ready(jax_fwd_train(jq, jk, jv))
 
     def direct_fwd_bwd():
         jax.block_until_ready(jax_fwd_bwd(jq, jk, jv, jdo))
@@ -67,8 +76,9 @@ def contenders(batch, heads, length, dim):
     def sdpa_fwd_bwd():
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
-    return dict(bridge_fwd=bridge_fwd, bridge_fwd_bwd=bridge_fwd_bwd, direct_fwd=direct_fwd,
-                direct_fwd_bwd=direct_fwd_bwd, sdpa_fwd=sdpa_fwd, sdpa_fwd_bwd=sdpa_fwd_bwd)
+    return dict(bridge_fwd=bridge_fwd, direct_fwd=direct_fwd, sdpa_fwd=sdpa_fwd,
+                bridge_fwd_train=bridge_fwd_train, direct_fwd_train=direct_fwd_train,
+                bridge_fwd_bwd=bridge_fwd_bwd, direct_fwd_bwd=direct_fwd_bwd, sdpa_fwd_bwd=sdpa_fwd_bwd)
 
 
 def measure(fns, rounds, per_round):
@@ -88,6 +98,7 @@ def main(quick: bool = False):
     results = {
         "large": {"shape": "B=2 H=8 L=2048 D=128 causal f32", **big,
                   "ratio_fwd": big["bridge_fwd"] / big["direct_fwd"],
+                  "ratio_fwd_train": big["bridge_fwd_train"] / big["direct_fwd_train"],
                   "ratio_fwd_bwd": big["bridge_fwd_bwd"] / big["direct_fwd_bwd"]},
         "small": {"shape": "B=1 H=1 L=128 D=64 causal f32", **small,
                   "bridge_overhead_fwd_us": (small["bridge_fwd"] - small["direct_fwd"]) * 1e6,
@@ -98,12 +109,13 @@ def main(quick: bool = False):
     lg, sm = results["large"], results["small"]
     print(f"| {lg['shape']} | bridge | direct JAX | ratio (target <= 1.05) | SDPA |")
     print("|---|---|---|---|---|")
-    print(f"| forward | {lg['bridge_fwd']*1e3:.0f} ms | {lg['direct_fwd']*1e3:.0f} ms | {lg['ratio_fwd']:.3f} | {lg['sdpa_fwd']*1e3:.0f} ms |")
+    print(f"| forward, no grad | {lg['bridge_fwd']*1e3:.0f} ms | {lg['direct_fwd']*1e3:.0f} ms | {lg['ratio_fwd']:.3f} | {lg['sdpa_fwd']*1e3:.0f} ms |")
+    print(f"| forward, inputs requiring grad (vs jax.vjp forward) | {lg['bridge_fwd_train']*1e3:.0f} ms | {lg['direct_fwd_train']*1e3:.0f} ms | {lg['ratio_fwd_train']:.3f} | |")
     print(f"| forward+backward | {lg['bridge_fwd_bwd']*1e3:.0f} ms | {lg['direct_fwd_bwd']*1e3:.0f} ms | {lg['ratio_fwd_bwd']:.3f} | {lg['sdpa_fwd_bwd']*1e3:.0f} ms |")
     print()
     print(f"| {sm['shape']} | bridge | direct JAX | bridge overhead | SDPA | bridge / SDPA |")
     print("|---|---|---|---|---|---|")
-    print(f"| forward | {sm['bridge_fwd']*1e6:.0f} us | {sm['direct_fwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_us']:.0f} us | {sm['sdpa_fwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd']:.1f}x |")
+    print(f"| forward, no grad | {sm['bridge_fwd']*1e6:.0f} us | {sm['direct_fwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_us']:.0f} us | {sm['sdpa_fwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd']:.1f}x |")
     print(f"| forward+backward | {sm['bridge_fwd_bwd']*1e6:.0f} us | {sm['direct_fwd_bwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_bwd_us']:.0f} us | {sm['sdpa_fwd_bwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd_bwd']:.1f}x |")
     out = pathlib.Path(__file__).parent / "results" / "bridge.json"
     out.parent.mkdir(exist_ok=True)

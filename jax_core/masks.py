@@ -20,6 +20,9 @@ class FullMask:
     def allows(self, q_ids, kv_ids):
         return None  # no constraint; `bind` adds only the padding bound
 
+    def may_empty_rows(self) -> bool:
+        return False
+
     def describe(self) -> str:
         return "FullMask()"
 
@@ -46,6 +49,9 @@ class CausalMask:
 
     def allows(self, q_ids, kv_ids):
         return q_ids + self.offset >= kv_ids if self.offset else q_ids >= kv_ids
+
+    def may_empty_rows(self) -> bool:
+        return self.offset < 0  # row i < -offset sees no key
 
     def describe(self) -> str:
         return f"CausalMask(offset={self.offset})"

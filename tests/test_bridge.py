@@ -9,6 +9,7 @@ import torch_splash
 import torch_splash.bridge as bridge
 from helpers import assert_matches_reference, make_qkv
 from torch_splash import _transport
+from torch_splash.masks import CausalMask
 
 
 def _xla_pointer(t):
@@ -43,14 +44,21 @@ def test_kernel_reads_the_callers_buffers(monkeypatch):
             self.program = program
 
         def forward(self, *arrays):
-            seen["pointers"] = [a.unsafe_buffer_pointer() for a in arrays]
+            seen["forward"] = [a.unsafe_buffer_pointer() for a in arrays]
             return self.program.forward(*arrays)
 
+        def infer(self, *arrays):
+            seen["infer"] = [a.unsafe_buffer_pointer() for a in arrays]
+            return self.program.infer(*arrays)
+
     monkeypatch.setattr(bridge.jax_core, "program", lambda plan: Spy(real_program(plan)))
-    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32))
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v)
-    assert seen["pointers"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    assert seen["forward"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
     assert out.device == q.device
+    with torch.no_grad():
+        torch_splash.attention(q, k, v)
+    assert seen["infer"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
 
 
 def test_non_contiguous_inputs_like_hf_transposed_views():
@@ -94,10 +102,15 @@ def test_double_backward_is_a_clear_error():
         torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
-def test_no_grad_inputs_save_nothing():
-    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32))
-    out = torch_splash.attention(q, k, v)
-    assert out.grad_fn is None
+@pytest.mark.parametrize("mask,ids", [(None, False), ("causal", True), (CausalMask(-5), False)])
+def test_inference_without_grad_matches_training_forward(mask, ids):
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 64, 64, torch.float32)
+    segment_ids = (torch.arange(40) // 17)[None] if ids else None
+    with_grad = torch_splash.attention(q, k, v, mask, segment_ids=segment_ids)
+    with torch.no_grad():
+        without = torch_splash.attention(q, k, v, mask, segment_ids=segment_ids)
+    assert without.grad_fn is None and with_grad.grad_fn is not None
+    torch.testing.assert_close(without, with_grad.detach(), atol=1e-6, rtol=1e-6)
 
 
 def test_gradient_only_for_some_inputs():

@@ -20,8 +20,7 @@ class _SplashAttention(torch.autograd.Function):
         ctx.program = program
         ctx.device = device
         ctx.num_ids = len(segment_ids)
-        if any(ctx.needs_input_grad[1:4]):
-            ctx.save_for_backward(q, k, v, *segment_ids, out, lse)
+        ctx.save_for_backward(q, k, v, *segment_ids, out, lse)
         return out
 
     @staticmethod
@@ -80,5 +79,10 @@ def attention(
         block_sizes=block_sizes,
         platform=platform,
     )
-    out = _SplashAttention.apply(jax_core.program(plan), call.q, call.k, call.v, *(call.segment_ids or ()))
+    program = jax_core.program(plan)
+    tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors[:3]):
+        out = _SplashAttention.apply(program, *tensors)
+    else:  # no graph to build: the cheaper forward, and no residuals
+        out = _transport.to_torch([program.infer(*_transport.to_jax(tensors))], call.q.device)[0]
     return out.squeeze(0) if call.unbatched else out
