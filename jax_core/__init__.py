@@ -2,12 +2,25 @@
 
 from .errors import SplashConstraintError, SplashDtypeError
 from .kernels import TRACES, Program, program
-from .masks import CausalMask, FullMask
+from .masks import (
+    ChunkedCausalMask,
+    CausalMask,
+    DenseMask,
+    FullMask,
+    LocalMask,
+    Mask,
+    MultiHeadMask,
+)
 from .plan import BlockSizes, Plan, plan
 
 __all__ = [
     "BlockSizes",
     "CausalMask",
+    "ChunkedCausalMask",
+    "DenseMask",
+    "LocalMask",
+    "Mask",
+    "MultiHeadMask",
     "FullMask",
     "Plan",
     "Program",

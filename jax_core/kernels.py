@@ -28,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _splash_mask
 
 from . import masks as _masks
 from .plan import Plan
@@ -43,11 +42,11 @@ _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 class Program:
     def __init__(self, plan: Plan):
         self.plan = plan
-        mask = _masks.bind(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+        mask = _masks.bind(plan.mask, plan.num_q_heads, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
         factory = _splash.make_splash_mqa if plan.is_mqa else _splash.make_splash_mha
         self.kernel = jax.vmap(
             factory(
-                _splash_mask.MultiHeadMask([mask] * plan.num_q_heads),
+                mask,
                 block_sizes=_jax_block_sizes(plan),
                 attn_logits_soft_cap=plan.soft_cap,
                 head_shards=1,

@@ -1,34 +1,93 @@
 """Shape-free mask specifications and their binding to the kernel's padded (Lq, Lkv) grid.
 
-A spec is a frozen, hashable dataclass with `allows(q_ids, kv_ids)`: a predicate written with
-operators that work on NumPy arrays (the host builds the block tables with it) and on jnp arrays
-inside the Pallas kernel (partial blocks are masked in-kernel, nothing L x L is materialised).
+A structured mask (full, causal, local, chunked, and their `&` / `|` compositions) is a frozen,
+hashable dataclass with `allows(q_ids, kv_ids)`: a predicate written with operators that work on
+NumPy arrays (the host builds the block tables with it) and on jnp arrays inside the Pallas kernel
+(partial blocks are masked in-kernel; nothing L x L is stored). A `DenseMask` holds a bool array
+bound to one (Lq, Lkv); a `MultiHeadMask` holds one mask per query head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _splash_mask
 
+from .errors import SplashConstraintError
+
+
+def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimum: int | None = None):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SplashConstraintError(f"{owner}: {name}={value!r} must be an int{' or None' if allow_none else ''}.")
+    if minimum is not None and value < minimum:
+        raise SplashConstraintError(f"{owner}: {name}={value!r} must be >= {minimum}.")
+    return int(value)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _or(a, b):
+    return None if a is None or b is None else a | b
+
+
+class Mask:
+    """Base of every mask: `a & b` and `a | b` compose, as the JAX kernel's LogicalAnd/LogicalOr."""
+
+    computable = True  # evaluable in-kernel from indices alone
+
+    def allows(self, q_ids, kv_ids):
+        """Bool array (broadcast of the ids) of allowed pairs, or None for "all allowed"."""
+        raise NotImplementedError
+
+    def may_empty_rows(self) -> bool:
+        """False only when every query row is sure to see a key (enables the cheaper forward)."""
+        return True
+
+    def check(self, num_q_heads: int, q_len: int, kv_len: int) -> None:
+        """Raise SplashConstraintError if this mask cannot describe a (num_q_heads, q_len, kv_len) call."""
+
+    def dense(self, q_len: int, kv_len: int) -> np.ndarray:
+        """The (Lq, Lkv) bool array this mask means (for tests, references and dense fallbacks)."""
+        allowed = self.allows(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+        if allowed is None:
+            return np.ones((q_len, kv_len), bool)
+        return np.broadcast_to(allowed, (q_len, kv_len)).copy()
+
+    def __and__(self, other):
+        return And(self, _as_mask(other))
+
+    def __or__(self, other):
+        return Or(self, _as_mask(other))
+
+    def __bool__(self):
+        raise TypeError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
+
+
+def _as_mask(value) -> Mask:
+    if not isinstance(value, Mask):
+        raise SplashConstraintError(f"cannot combine a mask with {type(value).__name__}: use torch_splash.masks masks.")
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
-class FullMask:
+class FullMask(Mask):
     """Every query sees every key."""
 
     def allows(self, q_ids, kv_ids):
-        return None  # no constraint; `bind` adds only the padding bound
+        return None
 
     def may_empty_rows(self) -> bool:
         return False
 
-    def describe(self) -> str:
-        return "FullMask()"
-
 
 @dataclasses.dataclass(frozen=True)
-class CausalMask:
+class CausalMask(Mask):
     """Row i sees keys j <= i + offset.
 
     offset=0 is SDPA's `is_causal` (top-left aligned); offset = Lkv - Lq is the bottom-right
@@ -38,14 +97,7 @@ class CausalMask:
     offset: int = 0
 
     def __post_init__(self):
-        if isinstance(self.offset, bool) or not isinstance(self.offset, (int, np.integer)):
-            from .errors import SplashConstraintError
-
-            raise SplashConstraintError(
-                f"CausalMask(offset={self.offset!r}): offset must be an int "
-                "(0 for SDPA's is_causal, Lkv - Lq for bottom-right alignment)."
-            )
-        object.__setattr__(self, "offset", int(self.offset))
+        object.__setattr__(self, "offset", _check_int("CausalMask", "offset", self.offset))
 
     def allows(self, q_ids, kv_ids):
         return q_ids + self.offset >= kv_ids if self.offset else q_ids >= kv_ids
@@ -53,15 +105,200 @@ class CausalMask:
     def may_empty_rows(self) -> bool:
         return self.offset < 0  # row i < -offset sees no key
 
-    def describe(self) -> str:
-        return f"CausalMask(offset={self.offset})"
+
+@dataclasses.dataclass(frozen=True)
+class LocalMask(Mask):
+    """Row i sees keys j with i + offset - window_left <= j <= i + offset + window_right.
+
+    None means unbounded on that side (the JAX kernel's definition). HF's `sliding_window=W`
+    keeps W tokens including the current one: `LocalMask(W - 1, 0)`.
+    """
+
+    window_left: int | None
+    window_right: int | None = 0
+    offset: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "window_left", _check_int("LocalMask", "window_left", self.window_left, allow_none=True, minimum=0))
+        object.__setattr__(self, "window_right", _check_int("LocalMask", "window_right", self.window_right, allow_none=True, minimum=0))
+        object.__setattr__(self, "offset", _check_int("LocalMask", "offset", self.offset))
+
+    def allows(self, q_ids, kv_ids):
+        allowed = None
+        if self.window_left is not None:
+            allowed = _and(allowed, kv_ids >= q_ids + (self.offset - self.window_left))
+        if self.window_right is not None:
+            allowed = _and(allowed, kv_ids <= q_ids + (self.offset + self.window_right))
+        return allowed
 
 
-def bind(spec, q_len_padded: int, kv_len_padded: int, kv_len: int) -> _splash_mask.Mask:
-    """The JAX mask for `spec` on the padded grid, padded keys (j >= kv_len) hidden."""
+@dataclasses.dataclass(frozen=True)
+class ChunkedCausalMask(Mask):
+    """Causal attention within consecutive chunks of `chunk_size` tokens (Llama 4)."""
+
+    chunk_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "chunk_size", _check_int("ChunkedCausalMask", "chunk_size", self.chunk_size, minimum=1))
+
+    def allows(self, q_ids, kv_ids):
+        return (q_ids // self.chunk_size == kv_ids // self.chunk_size) & (q_ids >= kv_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class And(Mask):
+    left: Mask
+    right: Mask
+
+    @property
+    def computable(self):
+        return self.left.computable and self.right.computable
+
+    def allows(self, q_ids, kv_ids):
+        return _and(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
+
+    def check(self, num_q_heads, q_len, kv_len):
+        self.left.check(num_q_heads, q_len, kv_len)
+        self.right.check(num_q_heads, q_len, kv_len)
+
+    def dense(self, q_len, kv_len):
+        return self.left.dense(q_len, kv_len) & self.right.dense(q_len, kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Or(Mask):
+    left: Mask
+    right: Mask
+
+    @property
+    def computable(self):
+        return self.left.computable and self.right.computable
+
+    def allows(self, q_ids, kv_ids):
+        return _or(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
+
+    def may_empty_rows(self) -> bool:
+        return self.left.may_empty_rows() and self.right.may_empty_rows()
+
+    def check(self, num_q_heads, q_len, kv_len):
+        self.left.check(num_q_heads, q_len, kv_len)
+        self.right.check(num_q_heads, q_len, kv_len)
+
+    def dense(self, q_len, kv_len):
+        return self.left.dense(q_len, kv_len) | self.right.dense(q_len, kv_len)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DenseMask(Mask):
+    """A bool array (Lq, Lkv), True = attend, bound to that one shape. Equal by content."""
+
+    array: np.ndarray
+    computable = False
+
+    def __post_init__(self):
+        array = np.asarray(self.array)
+        if array.dtype != np.bool_ or array.ndim != 2:
+            raise SplashConstraintError(
+                f"a dense mask must be a 2-D bool array (Lq, Lkv), got {array.dtype} of shape {array.shape}."
+            )
+        array = np.ascontiguousarray(array)
+        array.setflags(write=False)
+        object.__setattr__(self, "array", array)
+        object.__setattr__(self, "_digest", hashlib.blake2b(array.tobytes(), digest_size=16).digest())
+
+    def __eq__(self, other):
+        return isinstance(other, DenseMask) and self.array.shape == other.array.shape and self._digest == other._digest
+
+    def __hash__(self):
+        return hash((self.array.shape, self._digest))
+
+    def __repr__(self):
+        return f"DenseMask(shape={self.array.shape}, allowed={int(self.array.sum())})"
+
+    def allows(self, q_ids, kv_ids):
+        raise TypeError("a DenseMask is data, not a function of the indices")
+
+    def check(self, num_q_heads, q_len, kv_len):
+        if self.array.shape != (q_len, kv_len):
+            raise SplashConstraintError(
+                f"the mask has shape {self.array.shape} but the call has (Lq, Lkv) = ({q_len}, {kv_len}): "
+                "a tensor mask must cover exactly the queries and keys passed."
+            )
+
+    def dense(self, q_len, kv_len):
+        self.check(1, q_len, kv_len)
+        return self.array
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiHeadMask(Mask):
+    """One mask per query head (a tuple of masks, none of them per-head itself)."""
+
+    masks: tuple
+
+    def __post_init__(self):
+        masks = tuple(self.masks)
+        if not masks:
+            raise SplashConstraintError("MultiHeadMask([]): give one mask per query head.")
+        for m in masks:
+            if not isinstance(m, Mask) or isinstance(m, MultiHeadMask):
+                raise SplashConstraintError(
+                    f"MultiHeadMask takes masks of a single head each, got {type(m).__name__}."
+                )
+        object.__setattr__(self, "masks", masks)
+
+    @property
+    def computable(self):
+        return False  # more than one unique mask: JAX stores the partial blocks
+
+    def may_empty_rows(self) -> bool:
+        return any(m.may_empty_rows() for m in self.masks)
+
+    def check(self, num_q_heads, q_len, kv_len):
+        if len(self.masks) != num_q_heads:
+            raise SplashConstraintError(
+                f"the per-head mask has {len(self.masks)} heads but q has {num_q_heads}: give one mask "
+                "per query head (or one mask for all heads)."
+            )
+        for m in self.masks:
+            m.check(1, q_len, kv_len)
+
+    def dense(self, q_len, kv_len):
+        return np.stack([m.dense(q_len, kv_len) for m in self.masks])
+
+
+def bind(spec: Mask, num_heads: int, q_len_padded: int, kv_len_padded: int, kv_len: int):
+    """The JAX MultiHeadMask for `spec` on the padded grid, with padded keys (j >= kv_len) hidden."""
+    if isinstance(spec, MultiHeadMask):
+        return _splash_mask.MultiHeadMask([_bind_one(m, q_len_padded, kv_len_padded, kv_len) for m in spec.masks])
+    return _splash_mask.MultiHeadMask([_bind_one(spec, q_len_padded, kv_len_padded, kv_len)] * num_heads)
+
+
+def _bind_one(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: int) -> _splash_mask.Mask:
     if isinstance(spec, FullMask) and kv_len == kv_len_padded:
         return _splash_mask.FullMask((q_len_padded, kv_len_padded))  # no in-kernel masking at all
-    return BoundMask(spec, q_len_padded, kv_len_padded, kv_len)
+    if spec.computable:
+        return BoundMask(spec, q_len_padded, kv_len_padded, kv_len)
+    dense = spec.dense(*_call_shape(spec, q_len_padded, kv_len))
+    padded = np.zeros((q_len_padded, kv_len_padded), bool)
+    padded[: dense.shape[0], :kv_len] = dense
+    return _splash_mask.NumpyMask(padded)
+
+
+def _call_shape(spec: Mask, q_len_padded: int, kv_len: int) -> tuple[int, int]:
+    """(Lq, Lkv) of the call, which a dense component fixes; Lq is not known from the padded grid."""
+    for part in _leaves(spec):
+        if isinstance(part, DenseMask):
+            return part.array.shape
+    return q_len_padded, kv_len
+
+
+def _leaves(spec: Mask):
+    if isinstance(spec, (And, Or)):
+        yield from _leaves(spec.left)
+        yield from _leaves(spec.right)
+    else:
+        yield spec
 
 
 class BoundMask(_splash_mask._ComputableMask):
@@ -78,10 +315,14 @@ class BoundMask(_splash_mask._ComputableMask):
 
         def mask_function(q_ids, kv_ids):
             allowed = spec.allows(q_ids, kv_ids)
-            if not needs_bound:
+            if needs_bound:
+                allowed = _and(allowed, kv_ids < kv_len)
+            shape = np.broadcast_shapes(np.shape(q_ids), np.shape(kv_ids))
+            if allowed is not None and np.shape(allowed) == shape:
                 return allowed
-            in_range = kv_ids < kv_len
-            return in_range if allowed is None else allowed & in_range
+            # JAX stacks the host-side blocks, so each must have the full block shape.
+            full = (q_ids >= 0) & (kv_ids >= 0)
+            return full if allowed is None else allowed & full
 
         super().__init__(shape=(q_len_padded, kv_len_padded), mask_function=mask_function)
 

@@ -221,6 +221,7 @@ def plan(
             f"block_sizes={block_sizes!r}: pass torch_splash.BlockSizes(...) (fields left None are "
             "planned), or None to plan them all."
         )
+    mask.check(num_q_heads, q_len, kv_len)
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform)

@@ -23,20 +23,17 @@ def xla_device():
 
 
 def dense_mask(mask, q_len, kv_len, segment_ids=None):
-    """The bool (B or 1, 1, Lq, Lkv) mask that a torch_splash mask spec and segment ids mean."""
+    """The bool (B or 1, H or 1, Lq, Lkv) mask that a torch_splash mask and segment ids mean."""
     import torch_splash
 
-    rows = torch.arange(q_len)[:, None]
-    cols = torch.arange(kv_len)[None, :]
-    if mask is None or isinstance(mask, torch_splash.masks.FullMask):
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    elif mask == "causal":
-        allowed = rows >= cols
-    elif isinstance(mask, torch_splash.masks.CausalMask):
-        allowed = rows + mask.offset >= cols
+    if isinstance(mask, torch.Tensor):
+        allowed = mask.cpu()
+        while allowed.dim() < 4:
+            allowed = allowed[None]
     else:
-        raise AssertionError(f"no dense form for {mask!r}")
-    allowed = allowed[None, None]
+        spec = torch_splash.masks.normalize(mask, 1, 1, q_len, kv_len)
+        allowed = torch.from_numpy(spec.dense(q_len, kv_len).copy())
+        allowed = allowed[None] if allowed.dim() == 3 else allowed[None, None]
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
         allowed = allowed & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])

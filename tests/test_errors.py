@@ -125,10 +125,20 @@ def test_block_size_rules():
 def test_mask_scale_soft_cap():
     q, k, v = qkv()
     raises(SplashConstraintError, r"mask='upper'.*'causal'", q, k, v, mask="upper")
-    raises(SplashConstraintError, r"mask of type Tensor", q, k, v, mask=torch.ones(16, 16, dtype=torch.bool))
+    raises(SplashConstraintError, r"mask of type float", q, k, v, mask=1.0)
+    raises(SplashConstraintError, r"mask has shape \(16, 17\) but the call has \(Lq, Lkv\) = \(16, 16\)", q, k, v,
+           mask=torch.ones(16, 17, dtype=torch.bool))
+    raises(SplashConstraintError, r"per-head mask has 3 heads but q has 4", q, k, v, mask=["causal"] * 3)
+    raises(SplashConstraintError, r"mask has dtype torch.float32: pass a bool mask", q, k, v, mask=torch.zeros(16, 16))
+    raises(SplashConstraintError, r"depends on the batch index b", q, k, v,
+           mask=torch_splash.masks.from_mask_mod(lambda b, h, qi, ki: (qi >= ki) | (b > 0)))
+    with pytest.raises(SplashConstraintError, match=r"window_left=-1 must be >= 0"):
+        torch_splash.masks.LocalMask(-1)
+    with pytest.raises(SplashConstraintError, match=r"chunk_size=0 must be >= 1"):
+        torch_splash.masks.ChunkedCausalMask(0)
     raises(SplashConstraintError, r"soft_cap=0.0: must be > 0", q, k, v, soft_cap=0.0)
     raises(SplashConstraintError, r"scale=nan", q, k, v, scale=float("nan"))
-    with pytest.raises(SplashConstraintError, match=r"offset must be an int"):
+    with pytest.raises(SplashConstraintError, match=r"offset=1.5 must be an int"):
         torch_splash.masks.CausalMask(1.5)
 
 
@@ -141,6 +151,6 @@ def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
     blocks = BlockSizes(block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048)
     assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
     plan = jax_core.plan(batch=1, num_q_heads=2, num_kv_heads=2, q_len=100, kv_len=512, head_dim=64, head_dim_v=64,
-                         dtype="float32", mask=None, scale=1.0, block_sizes=blocks)
+                         dtype="float32", mask=jax_core.FullMask(), scale=1.0, block_sizes=blocks)
     assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
     assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128

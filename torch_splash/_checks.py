@@ -9,7 +9,8 @@ import numbers
 import torch
 
 from jax_core import SplashConstraintError, SplashDtypeError
-from jax_core.masks import CausalMask, FullMask
+
+from . import masks as _masks
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -86,21 +87,6 @@ def _check_tensors(q, k, v) -> bool:
     return unbatched
 
 
-def _check_mask(mask):
-    if mask is None:
-        return FullMask()
-    if isinstance(mask, str):
-        if mask == "causal":
-            return CausalMask(0)
-        raise SplashConstraintError(f"mask={mask!r}: the only string mask is 'causal' (SDPA's is_causal).")
-    if isinstance(mask, (FullMask, CausalMask)):
-        return mask
-    raise SplashConstraintError(
-        f"mask of type {type(mask).__name__}: pass None, 'causal' or a torch_splash.masks mask "
-        "such as CausalMask(offset)."
-    )
-
-
 def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str, device) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(ids).__name__}.")
@@ -166,7 +152,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap) -> Call:
         k=k,
         v=v,
         segment_ids=ids,
-        mask=_check_mask(mask),
+        mask=_masks.normalize(mask, batch, q.shape[1], q_len, kv_len),
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
         soft_cap=_check_number("soft_cap", soft_cap, positive=True),
         unbatched=unbatched,

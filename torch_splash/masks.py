@@ -1,10 +1,140 @@
 """Masks for `torch_splash.attention`: shape-free specs, bound to (Lq, Lkv) at call time.
 
-`"causal"` is SDPA's `is_causal` (top-left aligned: `CausalMask(offset=0)`). `CausalMask(offset)`
-lets row i see keys j <= i + offset; `offset = Lkv - Lq` is the bottom-right alignment of
-KV-cache decoding. Rows that see no key return 0, as SDPA does.
+Structured masks skip whole blocks of work and are evaluated inside the kernel:
+
+- `FullMask()`; `CausalMask(offset=0)`: row i sees keys j <= i + offset (`"causal"` is
+  `CausalMask(0)`, SDPA's top-left `is_causal`; `offset = Lkv - Lq` is bottom-right alignment).
+- `LocalMask(window_left, window_right=0, offset=0)`: i + offset - window_left <= j <=
+  i + offset + window_right, None meaning unbounded. HF's `sliding_window=W` (W tokens including
+  the current one) is `LocalMask(W - 1, 0)`.
+- `ChunkedCausalMask(chunk_size)`: causal within chunks (Llama 4).
+- `a & b`, `a | b`: composition, as the JAX kernel's LogicalAnd / LogicalOr.
+- `MultiHeadMask([...])` (or a plain list): one mask per query head.
+
+Data masks: `from_tensor(bool_tensor)` for (Lq, Lkv) or (1 or Hq, Lq, Lkv), True = attend; and
+`from_mask_mod(fn)` for FlexAttention's `mask_mod(b, h, q_idx, kv_idx) -> bool`, evaluated
+vectorised at call time. Rows that see no key return 0 with zero gradients.
 """
 
-from jax_core.masks import CausalMask, FullMask
+from __future__ import annotations
 
-__all__ = ["CausalMask", "FullMask"]
+import dataclasses
+import functools
+
+import torch
+
+from jax_core import SplashConstraintError
+from jax_core.masks import (
+    CausalMask,
+    ChunkedCausalMask,
+    DenseMask,
+    FullMask,
+    LocalMask,
+    Mask,
+    MultiHeadMask,
+)
+
+__all__ = [
+    "CausalMask",
+    "ChunkedCausalMask",
+    "DenseMask",
+    "FullMask",
+    "LocalMask",
+    "Mask",
+    "MaskMod",
+    "MultiHeadMask",
+    "from_mask_mod",
+    "from_tensor",
+]
+
+
+def from_tensor(mask: torch.Tensor) -> Mask:
+    """A mask from a bool tensor (Lq, Lkv) or (1 or Hq, Lq, Lkv) (or (1, 1 or Hq, Lq, Lkv)), True = attend."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"from_tensor takes a torch.Tensor, got {type(mask).__name__}.")
+    if mask.dtype != torch.bool:
+        raise SplashConstraintError(
+            f"mask has dtype {mask.dtype}: pass a bool mask (True = attend). For SDPA-style float "
+            "masks of 0 and -inf use torch_splash.scaled_dot_product_attention."
+        )
+    if mask.dim() == 4 and mask.shape[0] == 1:
+        mask = mask[0]
+    if mask.dim() not in (2, 3):
+        raise SplashConstraintError(
+            f"mask has shape {tuple(mask.shape)}: expected (Lq, Lkv) or (heads, Lq, Lkv); a mask "
+            "that differs across the batch goes through segment_ids or scaled_dot_product_attention."
+        )
+    array = mask.detach().cpu().numpy()
+    if array.ndim == 2:
+        return DenseMask(array)
+    if array.shape[0] == 1 or (array == array[:1]).all():
+        return DenseMask(array[0])
+    return MultiHeadMask(tuple(DenseMask(m) for m in array))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskMod:
+    """A FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool`, bound at call time."""
+
+    fn: object
+
+    def resolve(self, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+        return _resolve_mask_mod(self.fn, batch, heads, q_len, kv_len)
+
+
+def from_mask_mod(fn) -> MaskMod:
+    """A mask from FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, evaluated on index tensors
+    (broadcast, never a Python loop over positions). One that depends on b is refused: express
+    per-sequence structure with `segment_ids` instead."""
+    if not callable(fn):
+        raise TypeError(f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}.")
+    return MaskMod(fn)
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+    h = torch.arange(heads).view(heads, 1, 1)
+    q = torch.arange(q_len).view(1, q_len, 1)
+    kv = torch.arange(kv_len).view(1, 1, kv_len)
+
+    def evaluate(b: int) -> torch.Tensor:
+        out = fn(torch.tensor(b), h, q, kv)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            raise SplashConstraintError(
+                f"mask_mod {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}"
+                f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}: it must return a bool tensor."
+            )
+        return torch.broadcast_to(out, (out.shape[0] if out.dim() == 3 else 1, q_len, kv_len))
+
+    first = evaluate(0)
+    for b in range(1, batch):
+        if not torch.equal(evaluate(b), first):
+            raise SplashConstraintError(
+                f"mask_mod {getattr(fn, '__name__', fn)!r} depends on the batch index b (batch {b} differs "
+                "from batch 0): splash shares one mask across the batch. Express per-sequence "
+                "structure (documents, padding) with segment_ids, or call attention per batch element."
+            )
+    return from_tensor(first)
+
+
+def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+    """Any accepted mask argument as a jax_core Mask (checked against the call's shapes by the plan)."""
+    if mask is None:
+        return FullMask()
+    if isinstance(mask, str):
+        if mask == "causal":
+            return CausalMask(0)
+        raise SplashConstraintError(f"mask={mask!r}: the only string mask is 'causal' (SDPA's is_causal).")
+    if isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, MaskMod):
+        return mask.resolve(batch, heads, q_len, kv_len)
+    if isinstance(mask, torch.Tensor):
+        return from_tensor(mask)
+    if isinstance(mask, (list, tuple)):
+        return MultiHeadMask(tuple(normalize(m, batch, heads, q_len, kv_len) for m in mask))
+    raise SplashConstraintError(
+        f"mask of type {type(mask).__name__}: pass None, 'causal', a torch_splash.masks mask, a bool "
+        "tensor, from_mask_mod(fn), or a list with one mask per query head."
+    )
+

@@ -1,0 +1,101 @@
+"""Every mask form against SDPA with the equivalent dense bool mask: outputs and all three grads."""
+
+import pytest
+import torch
+
+import torch_splash
+from helpers import assert_matches_reference, make_qkv
+from torch_splash.masks import (
+    CausalMask,
+    ChunkedCausalMask,
+    FullMask,
+    LocalMask,
+    MultiHeadMask,
+    from_mask_mod,
+    from_tensor,
+)
+
+STRUCTURED = [
+    ("local-left", LocalMask(40)),
+    ("local-both", LocalMask(17, 9)),
+    ("local-offset", LocalMask(None, 0, offset=30)),
+    ("chunked", ChunkedCausalMask(64)),
+    ("and", CausalMask(0) & LocalMask(50, None)),
+    ("or", LocalMask(10, 10) | CausalMask(-100)),
+    ("sink-or-window", LocalMask(31, 0) | (LocalMask(None, 3, offset=-1000) & FullMask())),
+]
+
+
+@pytest.mark.parametrize("name,mask", STRUCTURED, ids=[n for n, _ in STRUCTURED])
+def test_structured_masks(name, mask):
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, 64, torch.float32)
+    assert_matches_reference(q, k, v, mask)
+
+
+def test_local_mask_cross_attention_odd_lengths_bf16():
+    q, k, v = make_qkv(1, 4, 1, 77, 333, 64, 64, torch.bfloat16)
+    assert_matches_reference(q, k, v, LocalMask(63, 0, offset=333 - 77))
+
+
+def test_masks_compose_with_segment_ids():
+    q, k, v = make_qkv(2, 2, 2, 260, 260, 64, 64, torch.float32)
+    ids = torch.zeros(2, 260, dtype=torch.int32)
+    ids[:, 90:] = 1
+    ids[1, 200:] = 2
+    assert_matches_reference(q, k, v, CausalMask(0) & LocalMask(32), segment_ids=ids)
+
+
+def test_per_head_masks_list_and_multihead():
+    q, k, v = make_qkv(2, 4, 2, 200, 200, 64, 64, torch.float32)
+    per_head = [CausalMask(0), LocalMask(16), FullMask(), ChunkedCausalMask(50)]
+    assert_matches_reference(q, k, v, per_head)
+    assert_matches_reference(q, k, v, MultiHeadMask(tuple(per_head)))
+
+
+def test_per_head_masks_with_mqa():
+    q, k, v = make_qkv(1, 3, 1, 130, 130, 64, 64, torch.float32)
+    assert_matches_reference(q, k, v, [CausalMask(0), LocalMask(5), CausalMask(-3)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_masks(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(2, 4, 2, 150, 190, 64, 64, dtype)
+    dense = torch.rand(150, 190, generator=g) > 0.7
+    dense[:5] = False  # rows with no visible key
+    assert_matches_reference(q, k, v, from_tensor(dense))
+    assert_matches_reference(q, k, v, dense)  # a bool tensor is accepted directly
+    per_head = torch.rand(4, 150, 190, generator=g) > 0.5
+    assert_matches_reference(q, k, v, per_head)
+
+
+def test_mask_mod_flex_attention_convention():
+    q, k, v = make_qkv(2, 4, 4, 200, 200, 64, 64, torch.float32)
+    documents = torch.arange(200) // 70
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (documents[q_idx] == documents[kv_idx]) & (q_idx >= kv_idx)
+
+    def head_dependent(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= 8 * (h + 1)) & (q_idx >= kv_idx)
+
+    mask = from_mask_mod(document_causal)
+    expected = (documents[:, None] == documents[None, :]) & torch.ones(200, 200, dtype=torch.bool).tril()
+    out = torch_splash.attention(q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert_matches_reference(q, k, v, from_tensor(head_dependent(0, torch.arange(4)[:, None, None],
+                                                                   torch.arange(200)[None, :, None],
+                                                                   torch.arange(200)[None, None, :])))
+    out = torch_splash.attention(q, k, v, from_mask_mod(head_dependent))
+    h = torch.arange(4)[:, None, None]
+    dense = head_dependent(0, h, torch.arange(200)[None, :, None], torch.arange(200)[None, None, :])
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_padding_never_leaks_for_odd_lengths():
+    """Padded keys get no weight and padded query rows never reach the output, for every family."""
+    for mask in (FullMask(), LocalMask(None, None), ChunkedCausalMask(3), CausalMask(500)):
+        q, k, v = make_qkv(1, 2, 2, 5, 131, 64, 64, torch.float32, seed=7)
+        assert_matches_reference(q, k, v, mask)
