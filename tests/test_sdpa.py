@@ -1,0 +1,166 @@
+"""torch_splash.scaled_dot_product_attention against torch's own SDPA on the same arguments."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import jax_core
+import torch_splash
+from helpers import make_qkv
+from torch_splash import SplashConstraintError
+
+SDPA = F.scaled_dot_product_attention
+
+
+def both(q, k, v, **kwargs):
+    """Outputs and grads of splash's drop-in and torch's SDPA on identical arguments."""
+    g = torch.Generator().manual_seed(2)
+    cot = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g)
+    results = []
+    for fn in (torch_splash.scaled_dot_product_attention, SDPA):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v, **kwargs)
+        (out * cot).sum().backward()
+        results.append((out.detach(), [t.grad.clone() for t in (q, k, v)]))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_no_mask_and_is_causal():
+    q, k, v = make_qkv(2, 4, 4, 100, 100, 64, 64, torch.float32)
+    both(q, k, v)
+    both(q, k, v, is_causal=True)
+    both(q, k, v, is_causal=True, scale=0.2)
+
+
+def test_enable_gqa():
+    q, k, v = make_qkv(2, 8, 2, 70, 90, 64, 64, torch.float32)
+    both(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_bool_and_float_masks():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = make_qkv(2, 4, 4, 60, 80, 64, 64, torch.float32)
+    bool_mask = torch.rand(60, 80, generator=g) > 0.3
+    both(q, k, v, attn_mask=bool_mask)
+    float_mask = torch.zeros(60, 80).masked_fill(~bool_mask, float("-inf"))
+    both(q, k, v, attn_mask=float_mask)
+    hf_style = torch.zeros(60, 80).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    out = torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=hf_style)
+    torch.testing.assert_close(out, SDPA(q, k, v, attn_mask=bool_mask), atol=2e-5, rtol=1e-5)
+    per_head = torch.rand(1, 4, 60, 80, generator=g) > 0.3
+    both(q, k, v, attn_mask=per_head)
+
+
+def test_causal_patterns_become_structured_masks():
+    q, k, v = make_qkv(1, 2, 2, 50, 80, 64, 64, torch.float32)
+    bottom_right = torch.ones(50, 80, dtype=torch.bool).tril(30)
+    seen = []
+    original = torch_splash.sdpa.attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[3])
+        return original(*args, **kwargs)
+
+    torch_splash.sdpa.attention = spy
+    try:
+        both(q, k, v, attn_mask=bottom_right)
+        both(q, k, v, attn_mask=torch.ones(50, 80, dtype=torch.bool))
+    finally:
+        torch_splash.sdpa.attention = original
+    assert seen[0] == jax_core.CausalMask(30) and seen[1] == jax_core.FullMask()
+
+
+def test_batch_varying_key_padding_is_served_with_segment_ids(monkeypatch):
+    q, k, v = make_qkv(3, 4, 2, 64, 64, 64, 64, torch.float32)
+    lengths = torch.tensor([64, 40, 7])
+    valid = torch.arange(64)[None, :] < lengths[:, None]  # right padding
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    mask = causal[None, None] & valid[:, None, None, :]  # HF's 4-D (B, 1, Lq, Lkv)
+    calls = []
+    original = torch_splash.sdpa.attention
+    monkeypatch.setattr(torch_splash.sdpa, "attention", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    out = torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert len(calls) == 1 and calls[0]["segment_ids"] is not None
+    monkeypatch.undo()
+    ref = SDPA(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref.nan_to_num(0.0), atol=2e-5, rtol=1e-5)
+    both(q, k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)  # key padding only
+
+
+def test_arbitrary_batch_varying_mask_is_served_per_batch():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = make_qkv(2, 2, 2, 40, 40, 64, 64, torch.float32)
+    mask = torch.rand(2, 1, 40, 40, generator=g) > 0.5
+    mask[..., 0] = True
+    both(q, k, v, attn_mask=mask)
+
+
+def test_what_splash_cannot_serve_is_a_clear_error():
+    q, k, v = make_qkv(1, 4, 2, 16, 16, 64, 64, torch.float32)
+    with pytest.raises(SplashConstraintError, match="no attention dropout"):
+        torch_splash.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+    with pytest.raises(SplashConstraintError, match="pass enable_gqa=True"):
+        torch_splash.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(SplashConstraintError, match="additive bias"):
+        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.randn(16, 16), enable_gqa=True)
+    with pytest.raises(SplashConstraintError, match="together"):
+        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool),
+                                                  is_causal=True, enable_gqa=True)
+    with pytest.raises(SplashConstraintError, match="does not broadcast"):
+        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool),
+                                                  enable_gqa=True)
+
+
+class TinyAttentionModel(nn.Module):
+    """A model written against F.scaled_dot_product_attention, never edited for splash."""
+
+    def __init__(self, dim=64, heads=4, dropout=0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, l, d = x.shape
+        q, k, v = (t.view(b, l, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, l, d))
+
+
+def test_route_sdpa_runs_an_unedited_model_through_splash(monkeypatch):
+    calls = []
+    original = torch_splash.sdpa.attention
+    monkeypatch.setattr(torch_splash.sdpa, "attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    torch.manual_seed(0)
+    model = TinyAttentionModel()
+    x = torch.randn(2, 96, 64)
+    ref = model(x)
+    ref.sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch_splash.route_sdpa(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # every call is served: no fallback warning
+        out = model(x)
+        out.sum().backward()
+    assert len(calls) == 1  # the model's one attention call ran through splash
+    assert F.scaled_dot_product_attention is SDPA  # restored
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for a, b in zip([p.grad for p in model.parameters()], ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_route_sdpa_falls_back_with_one_warning():
+    model = TinyAttentionModel(dropout=0.1).train()
+    x = torch.randn(2, 32, 64)
+    with torch_splash.route_sdpa():
+        with pytest.warns(UserWarning, match="falling back to torch SDPA.*dropout") as record:
+            model(x)
+            model(x)
+    assert sum("falling back" in str(w.message) for w in record) == 1
