@@ -3,6 +3,7 @@
 #   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
 #   ./dev.sh test [args]   installs what is missing, runs the test suite (extra args go to pytest)
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
+#   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
 # The venv lives in .venv and is rebuilt only when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -21,5 +22,6 @@ case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
   test) exec .venv/bin/python -m pytest "$@" ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | bench" >&2; exit 2 ;;
+  bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks" >&2; exit 2 ;;
 esac

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
 
 from . import masks as _masks
-from .plan import Plan
+from . import tables as _tables
+from .plan import LANES, Plan
 
 # Counts traces (not calls) of each program body: a cache hit traces nothing.
 TRACES: collections.Counter = collections.Counter()
@@ -42,18 +43,10 @@ _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 class Program:
     def __init__(self, plan: Plan):
         self.plan = plan
-        mask = _masks.bind(plan.mask, plan.num_q_heads, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
-        factory = _splash.make_splash_mqa if plan.is_mqa else _splash.make_splash_mha
-        self.kernel = jax.vmap(
-            factory(
-                mask,
-                block_sizes=_jax_block_sizes(plan),
-                attn_logits_soft_cap=plan.soft_cap,
-                head_shards=1,
-                q_seq_shards=1,
-                interpret=plan.platform != "tpu",
-            )
-        )
+        # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
+        # and no output block would ever be written): the answer is 0 with zero gradients.
+        self.no_pairs = not _has_allowed_pair(plan)
+        self.kernel = None if self.no_pairs else jax.vmap(_build_kernel(plan))
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
@@ -100,8 +93,15 @@ class Program:
         out = jnp.where((lse > _EMPTY_ROW_LSE)[..., None], out, 0).astype(out.dtype)
         return out[:, :, : self.plan.q_len]
 
+    def _nothing_visible(self, q, v):
+        p = self.plan
+        out = jnp.zeros(q.shape[:2] + (p.q_len, v.shape[-1]), q.dtype)
+        return out, jnp.full(q.shape[:2] + (p.q_len_padded,), -jnp.inf, jnp.float32)
+
     def _forward(self, q, k, v, *ids):
         TRACES["forward"] += 1
+        if self.no_pairs:
+            return self._nothing_visible(q, v)
         out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids)
         # Where each residual comes from in the backward: a kernel input, the output, the
         # logsumexp, or a constant block table (concrete, not traced).
@@ -120,6 +120,8 @@ class Program:
 
     def _infer(self, q, k, v, *ids):
         TRACES["infer"] += 1
+        if self.no_pairs:
+            return self._nothing_visible(q, v)[0]
         if ids or self.plan.mask.may_empty_rows():
             out, lse, *_ = self._vjp(q, k, v, ids)
             return self._finish(out, lse)
@@ -129,6 +131,8 @@ class Program:
         TRACES["backward"] += 1
         p = self.plan
         *ids, out, lse, d_out = rest
+        if self.no_pairs:
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         inputs = [q, k, v, *(segment_ids or ())]
@@ -152,6 +156,54 @@ def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
         if layout in fields:
             fields[layout] = _splash.QKVLayout[fields[layout]]
     return _splash.BlockSizes(**fields)
+
+
+def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
+    mask = _masks.bind(plan.mask, plan.num_q_heads, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+    if isinstance(plan.mask, _masks.MultiHeadMask) or not plan.mask.computable:
+        factory = _splash.make_splash_mqa if plan.is_mqa else _splash.make_splash_mha
+        return factory(
+            mask,
+            block_sizes=_jax_block_sizes(plan),
+            attn_logits_soft_cap=plan.soft_cap,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=plan.platform != "tpu",
+        )
+    return _structured_kernel(plan, mask.masks[0])
+
+
+def _has_allowed_pair(plan: Plan) -> bool:
+    if isinstance(plan.mask, _masks.MultiHeadMask) or not plan.mask.computable:
+        return bool(plan.mask.dense(plan.q_len, plan.kv_len).any())
+    table = _tables.block_mask_table(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, LANES, LANES)
+    return bool(table.any())
+
+
+def _structured_kernel(plan: Plan, bound_mask) -> _splash.SplashAttentionKernel:
+    """The kernel `make_splash_mha/mqa` would build, with block tables from `jax_core.tables`."""
+    block_sizes = _jax_block_sizes(plan)
+    mask_function = getattr(bound_mask, "mask_function", None)
+    fused = block_sizes.use_fused_bwd_kernel
+
+    def info(block_shape, is_dkv, shrink_grid):
+        numpy_info = _tables.mask_info(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
+                                       block_shape, is_dkv, shrink_grid, mask_function is not None)
+        return jax.tree.map(jnp.array, numpy_info)
+
+    return _splash.SplashAttentionKernel(
+        info((block_sizes.block_q, block_sizes.block_kv), False, True),
+        None if fused else info((block_sizes.block_q_dq, block_sizes.block_kv_dq), False, True),
+        info((block_sizes.block_q_dkv, block_sizes.block_kv_dkv), True, not fused),
+        block_sizes=block_sizes,
+        is_mqa=plan.is_mqa,
+        save_residuals=False,
+        mask_value=_splash.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=plan.soft_cap,
+        residual_checkpoint_name=None,
+        mask_function=mask_function,
+        interpret=plan.platform != "tpu",
+    )
 
 
 @functools.lru_cache(maxsize=128)

@@ -52,6 +52,12 @@ class Mask:
     def check(self, num_q_heads: int, q_len: int, kv_len: int) -> None:
         """Raise SplashConstraintError if this mask cannot describe a (num_q_heads, q_len, kv_len) call."""
 
+    def blocks(self, q0, q1, k0, k1):
+        """(any, all) allowed pair in each block of rows q0..q1 and keys k0..k1 (inclusive; arrays
+        that broadcast), from the mask's structure alone. Exact for the primitive masks; for
+        compositions `any` may over- and `all` under-estimate, which only costs skipped work."""
+        raise NotImplementedError
+
     def dense(self, q_len: int, kv_len: int) -> np.ndarray:
         """The (Lq, Lkv) bool array this mask means (for tests, references and dense fallbacks)."""
         allowed = self.allows(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
@@ -82,6 +88,10 @@ class FullMask(Mask):
     def allows(self, q_ids, kv_ids):
         return None
 
+    def blocks(self, q0, q1, k0, k1):
+        true = np.ones(np.broadcast_shapes(np.shape(q0), np.shape(k0)), bool)
+        return true, true
+
     def may_empty_rows(self) -> bool:
         return False
 
@@ -101,6 +111,9 @@ class CausalMask(Mask):
 
     def allows(self, q_ids, kv_ids):
         return q_ids + self.offset >= kv_ids if self.offset else q_ids >= kv_ids
+
+    def blocks(self, q0, q1, k0, k1):
+        return k0 <= q1 + self.offset, k1 <= q0 + self.offset
 
     def may_empty_rows(self) -> bool:
         return self.offset < 0  # row i < -offset sees no key
@@ -131,6 +144,19 @@ class LocalMask(Mask):
             allowed = _and(allowed, kv_ids <= q_ids + (self.offset + self.window_right))
         return allowed
 
+    def blocks(self, q0, q1, k0, k1):
+        # Row q allows [q + offset - left, q + offset + right]; these windows slide by one per row,
+        # so over a block of rows they cover one contiguous range.
+        shape = np.broadcast_shapes(np.shape(q0), np.shape(k0))
+        any_, all_ = np.ones(shape, bool), np.ones(shape, bool)
+        if self.window_left is not None:
+            any_ = any_ & (k1 >= q0 + self.offset - self.window_left)
+            all_ = all_ & (k0 >= q1 + self.offset - self.window_left)
+        if self.window_right is not None:
+            any_ = any_ & (k0 <= q1 + self.offset + self.window_right)
+            all_ = all_ & (k1 <= q0 + self.offset + self.window_right)
+        return any_, all_
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedCausalMask(Mask):
@@ -144,6 +170,18 @@ class ChunkedCausalMask(Mask):
     def allows(self, q_ids, kv_ids):
         return (q_ids // self.chunk_size == kv_ids // self.chunk_size) & (q_ids >= kv_ids)
 
+    def blocks(self, q0, q1, k0, k1):
+        c = self.chunk_size
+        first, last = np.maximum(q0 // c, k0 // c), np.minimum(q1 // c, k1 // c)  # shared chunks
+        # A chunk strictly inside both ranges holds a causal pair; at the two end chunks, the
+        # smallest key of the chunk must not exceed its largest query.
+        def causal_pair_in(chunk):
+            return np.maximum(k0, chunk * c) <= np.minimum(q1, chunk * c + c - 1)
+
+        any_ = (first <= last) & ((last - first >= 2) | causal_pair_in(first) | causal_pair_in(last))
+        all_ = (q0 // c == q1 // c) & (k0 // c == k1 // c) & (q0 // c == k0 // c) & (k1 <= q0)
+        return any_, all_
+
 
 @dataclasses.dataclass(frozen=True)
 class And(Mask):
@@ -156,6 +194,10 @@ class And(Mask):
 
     def allows(self, q_ids, kv_ids):
         return _and(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
+
+    def blocks(self, q0, q1, k0, k1):
+        (any_l, all_l), (any_r, all_r) = self.left.blocks(q0, q1, k0, k1), self.right.blocks(q0, q1, k0, k1)
+        return any_l & any_r, all_l & all_r
 
     def check(self, num_q_heads, q_len, kv_len):
         self.left.check(num_q_heads, q_len, kv_len)
@@ -176,6 +218,10 @@ class Or(Mask):
 
     def allows(self, q_ids, kv_ids):
         return _or(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
+
+    def blocks(self, q0, q1, k0, k1):
+        (any_l, all_l), (any_r, all_r) = self.left.blocks(q0, q1, k0, k1), self.right.blocks(q0, q1, k0, k1)
+        return any_l | any_r, all_l | all_r
 
     def may_empty_rows(self) -> bool:
         return self.left.may_empty_rows() and self.right.may_empty_rows()

@@ -99,3 +99,14 @@ def test_padding_never_leaks_for_odd_lengths():
     for mask in (FullMask(), LocalMask(None, None), ChunkedCausalMask(3), CausalMask(500)):
         q, k, v = make_qkv(1, 2, 2, 5, 131, 64, 64, torch.float32, seed=7)
         assert_matches_reference(q, k, v, mask)
+
+
+@pytest.mark.parametrize("mask", [CausalMask(-1000), LocalMask(0, 0, offset=5000), torch.zeros(40, 60, dtype=torch.bool)],
+                         ids=["causal", "local", "tensor"])
+def test_mask_with_no_allowed_pair_gives_zeros(mask):
+    q, k, v = make_qkv(1, 2, 2, 40, 60, 64, 64, torch.float32)
+    out = torch_splash.attention(q, k, v, mask)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out))
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
+    assert_matches_reference(q, k, v, mask)

@@ -4,6 +4,7 @@ lower to Mosaic custom calls. Lowering for TPU enforces the block-shape rules in
 import jax
 import jax.export
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_core
@@ -74,3 +75,35 @@ def test_lowering_for_tpu_enforces_block_shapes_that_interpret_mode_ignores():
     kv = jax.ShapeDtypeStruct((1, 256, 128), jnp.float32)
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         jax.export.export(jax.jit(kernel), platforms=["tpu"])(q, kv, kv)
+
+
+FAMILIES = [
+    jax_core.LocalMask(1023, 0),
+    jax_core.ChunkedCausalMask(512),
+    jax_core.CausalMask(0) & jax_core.LocalMask(255),
+    jax_core.LocalMask(64, 64) | jax_core.CausalMask(-2000),
+    jax_core.MultiHeadMask((jax_core.CausalMask(0), jax_core.LocalMask(128), jax_core.FullMask(), jax_core.CausalMask(5))),
+]
+
+
+@pytest.mark.parametrize("mask", FAMILIES, ids=lambda m: type(m).__name__)
+def test_each_mask_family_lowers_for_tpu_at_its_planned_blocks(mask):
+    q_len = kv_len = 2000
+    plan = _plan(1, 4, 2, q_len, kv_len, 128, 128, "bfloat16", mask, True)
+    program = jax_core.program(plan)
+    args = [jax.ShapeDtypeStruct((1, h, 2000, 128), jnp.bfloat16) for h in (4, 2, 2)]
+    args += [jax.ShapeDtypeStruct((1, 2000), jnp.int32)] * 2
+    fwd = jax.export.export(program.forward, platforms=["tpu"])(*args)
+    assert _count_custom_calls(fwd) == 1
+    out, lse = jax.eval_shape(program.forward, *args)
+    bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
+    assert _count_custom_calls(bwd) == 2
+
+
+def test_dense_mask_lowers_for_tpu():
+    rng = np.random.default_rng(0)
+    dense = jax_core.DenseMask(rng.random((300, 300)) > 0.5)
+    plan = _plan(1, 2, 2, 300, 300, 64, 64, "float32", dense, False)
+    args = [jax.ShapeDtypeStruct((1, 2, 300, 64), jnp.float32)] * 3
+    fwd = jax.export.export(jax_core.program(plan).forward, platforms=["tpu"])(*args)
+    assert _count_custom_calls(fwd) == 1

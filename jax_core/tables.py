@@ -1,0 +1,91 @@
+"""Block tables (the kernel's MaskInfo) for structured masks, built from block bounds in NumPy.
+
+JAX builds MaskInfo on the host with Python loops over every block, slicing and evaluating the
+mask block by block: its cost grows with L^2 (seconds at 64K, minutes at 1M). For a structured
+mask we classify all blocks at once from their index bounds (`Mask.blocks`), without evaluating
+the mask element by element, then lay the tables out exactly as `_process_mask` does for one
+mask shared by all heads on one device: `block_mask` (0 empty, 1 partial, 2 full), `data_next`
+(the next non-empty block to fetch, in grid order, wrapping), grid shrinking (fwd/dq drop empty kv
+columns, dkv empty q rows) and downcasting. Time and memory grow with the number of blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _mask_info
+
+from .masks import Mask
+
+
+def _next_nonzero(nonzero_flat: np.ndarray, coordinate_flat: np.ndarray) -> np.ndarray:
+    """For each grid step, the coordinate of the first non-empty step at or after it (wrapping)."""
+    positions = np.arange(nonzero_flat.size)
+    if not nonzero_flat.any():
+        return np.zeros(nonzero_flat.size, np.int32)
+    candidates = np.where(nonzero_flat, positions, nonzero_flat.size)
+    following = np.minimum.accumulate(candidates[::-1])[::-1]
+    following = np.where(following == nonzero_flat.size, np.argmax(nonzero_flat), following)
+    return coordinate_flat[following].astype(np.int32)
+
+
+def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool):
+    """Keep only the non-empty blocks of each q row (each kv column for dkv), padded to the widest."""
+    nonzero = block_mask > 0
+    if is_dkv:  # columns, padded at the front, as `_shrink_mask_info_dkv`
+        cols, rows = np.nonzero(nonzero.T)
+        counts = nonzero.sum(axis=0)
+        width = counts.max()
+        rank = np.arange(cols.size) - np.searchsorted(cols, cols)
+        slot = width - counts[cols] + rank
+        out_shape = (width, block_mask.shape[1])
+        index = (slot, cols)
+    else:  # rows, padded at the back, as `_shrink_mask_info`
+        rows, cols = np.nonzero(nonzero)
+        width = nonzero.sum(axis=1).max()
+        rank = np.arange(rows.size) - np.searchsorted(rows, rows)
+        out_shape = (block_mask.shape[0], width)
+        index = (rows, rank)
+    shrunk_mask = np.zeros(out_shape, np.int32)
+    shrunk_next = np.zeros(out_shape, np.int32)
+    shrunk_mask[index] = block_mask[rows, cols]
+    shrunk_next[index] = data_next[rows, cols]
+    return shrunk_mask, shrunk_next
+
+
+def block_mask_table(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: int, block_q: int, block_kv: int):
+    """(Lq/bq, Lkv/bkv) int32: 0 empty, 1 partial, 2 full; keys at or past kv_len are hidden."""
+    q0 = np.arange(0, q_len_padded, block_q)[:, None]
+    k0 = np.arange(0, kv_len_padded, block_kv)[None, :]
+    q1, k1 = q0 + block_q - 1, k0 + block_kv - 1
+    # Padded keys: clamp each block to the real keys for `any`; a block reaching past them is not full.
+    any_, all_ = spec.blocks(q0, q1, k0, np.minimum(k1, kv_len - 1))
+    any_ = any_ & (k0 < kv_len)
+    all_ = all_ & spec.blocks(q0, q1, k0, k1)[1] & (k1 < kv_len)
+    return np.where(all_, 2, np.where(any_, 1, 0)).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def mask_info(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: int, block_shape: tuple[int, int],
+              is_dkv: bool, shrink_grid: bool, has_mask_function: bool) -> _mask_info.MaskInfo:
+    """The MaskInfo `_process_mask` would build for this mask on every head of one device (NumPy)."""
+    block_q, block_kv = block_shape
+    block_mask = block_mask_table(spec, q_len_padded, kv_len_padded, kv_len, block_q, block_kv)
+    nq, nkv = block_mask.shape
+    if is_dkv:  # the dkv grid walks (kv, q) and prefetches q blocks
+        order = block_mask.T.reshape(-1) > 0
+        q_coord = np.broadcast_to(np.arange(nq)[None, :], (nkv, nq)).reshape(-1)
+        data_next = _next_nonzero(order, q_coord).reshape(nkv, nq).T
+    else:
+        kv_coord = np.broadcast_to(np.arange(nkv)[None, :], (nq, nkv)).reshape(-1)
+        data_next = _next_nonzero(block_mask.reshape(-1) > 0, kv_coord).reshape(nq, nkv)
+    if shrink_grid and block_mask.any():
+        block_mask, data_next = _shrink(block_mask, data_next, is_dkv)
+    return _mask_info.MaskInfo(
+        data_next=_mask_info._downcast_to_small_type(np.ascontiguousarray(data_next[None])),
+        mask_next=None,
+        block_mask=_mask_info._downcast_to_small_type(np.ascontiguousarray(block_mask[None])),
+        partial_mask_blocks=None,
+        q_sequence=np.arange(q_len_padded, dtype=np.int32) if has_mask_function else None,
+    )
