@@ -1,4 +1,10 @@
-"""Zero-copy crossing between torch and JAX through DLPack (CPU tensors, torch_xla CPU-device tensors).
+"""How tensors reach the JAX programs: DLPack (zero-copy) or torch_xla's own lazy graph.
+
+"dlpack": CPU tensors and torch_xla CPU-device tensors cross to JAX and back without a copy; the
+program runs eagerly, so a torch_xla input's pending graph is executed first (a sync).
+"graph": torch_xla tensors only. `call_jax` lowers the jitted JAX program to HLO and splices it
+into torch_xla's lazy graph, where XLA runs it next to the rest of the model: no sync, no host
+round trip. It is the only way on TPU, where no layer supports DLPack.
 
 JAX reads DLPack strides wrongly for non-contiguous tensors, so inputs are made contiguous first
 (HF passes transposed views). A torch_xla tensor with pending lazy ops aborts the process inside
@@ -8,9 +14,52 @@ in-graph transport serves it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from jax_core.transport import from_capsule
+
+
+TRANSPORTS = ("dlpack", "graph")
+
+
+def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
+    """The transport for this call: the caller's, else $TORCH_SPLASH_TRANSPORT (for torch_xla
+    tensors), else automatic (in-graph on TPU and whenever a torch_xla input is part of a pending
+    lazy graph)."""
+    from jax_core import SplashConstraintError
+
+    source = "transport"
+    if requested is None and os.environ.get("TORCH_SPLASH_TRANSPORT"):
+        requested, source = os.environ["TORCH_SPLASH_TRANSPORT"], "$TORCH_SPLASH_TRANSPORT"
+    if requested is not None and requested not in TRANSPORTS:
+        raise SplashConstraintError(f"{source}={requested!r}: expected one of {TRANSPORTS} (or unset for automatic).")
+    device = tensors[0].device
+    if device.type != "xla":  # DLPack is the only way; only an explicit per-call request is an error
+        if requested == "graph" and source == "transport":
+            raise SplashConstraintError(
+                f"{source}='graph' needs torch_xla tensors; these are on {device}. Use 'dlpack' or leave it unset."
+            )
+        return "dlpack"
+    if requested is not None:
+        return requested
+    if platform_of(device) == "tpu":
+        return "graph"
+    import torch_xla
+
+    return "graph" if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)) else "dlpack"
+
+
+def run(fn, tensors: list[torch.Tensor], transport: str) -> list[torch.Tensor]:
+    """fn (a stable jitted JAX function) on torch tensors, through the chosen transport."""
+    if transport == "graph":
+        import torch_xla.core.xla_builder as xla_builder
+
+        out = xla_builder.call_jax(fn, tuple(tensors))
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+    out = fn(*to_jax(tensors))
+    return to_torch(out if isinstance(out, (tuple, list)) else [out], tensors[0].device)
 
 
 def platform_of(device: torch.device) -> str:
@@ -41,8 +90,8 @@ def to_jax(tensors: list[torch.Tensor]) -> list:
 
     if platform_of(tensors[0].device) != "cpu":
         raise NotImplementedError(
-            "DLPack cannot carry TPU buffers (torch_xla and JAX both refuse); the in-graph transport "
-            "for TPU is not implemented yet."
+            "DLPack cannot carry TPU buffers (torch_xla and JAX both refuse): use transport='graph' "
+            "(the default on TPU)."
         )
     torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True)
     return [from_capsule(xla_dlpack.to_dlpack(t)) for t in tensors]

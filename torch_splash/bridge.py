@@ -14,11 +14,11 @@ class _SplashAttention(torch.autograd.Function):
     output and the logsumexp); backward runs only the dq and dkv kernels on them."""
 
     @staticmethod
-    def forward(ctx, program, q, k, v, *segment_ids):
-        device = q.device
-        out, lse = _transport.to_torch(program.forward(*_transport.to_jax([q, k, v, *segment_ids])), device)
+    def forward(ctx, program, transport, q, k, v, *segment_ids):
+        tensors = [q, k, v, *segment_ids]
+        out, lse = _transport.run(program.forward, tensors, _transport.choose(tensors, transport))
         ctx.program = program
-        ctx.device = device
+        ctx.transport = transport
         ctx.num_ids = len(segment_ids)
         ctx.save_for_backward(q, k, v, *segment_ids, out, lse)
         return out
@@ -30,9 +30,9 @@ class _SplashAttention(torch.autograd.Function):
                 "torch_splash.attention supports one backward pass, not double backward "
                 "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
             )
-        grads = ctx.program.backward(*_transport.to_jax([*ctx.saved_tensors, d_out]))
-        dq, dk, dv = _transport.to_torch(grads, ctx.device)
-        return (None, dq, dk, dv) + (None,) * ctx.num_ids
+        tensors = [*ctx.saved_tensors, d_out]
+        dq, dk, dv = _transport.run(ctx.program.backward, tensors, _transport.choose(tensors, ctx.transport))
+        return (None, None, dq, dk, dv) + (None,) * ctx.num_ids
 
 
 def attention(
@@ -45,6 +45,7 @@ def attention(
     segment_ids=None,
     soft_cap: float | None = None,
     block_sizes: jax_core.BlockSizes | None = None,
+    transport: str | None = None,
 ) -> torch.Tensor:
     """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
 
@@ -56,6 +57,9 @@ def attention(
     scale: defaults to 1/sqrt(D). soft_cap: tanh capping of the scaled logits (Gemma 2).
     segment_ids: int (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv)); a query
     sees only keys with its id. block_sizes: `BlockSizes(...)`; fields left None are planned.
+    transport: "dlpack" or "graph" (torch_xla's lazy graph; torch_xla tensors only); default: the
+    environment variable TORCH_SPLASH_TRANSPORT, else automatic (in-graph on TPU and whenever a
+    torch_xla input is part of a pending lazy graph, DLPack otherwise).
 
     Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
@@ -81,8 +85,9 @@ def attention(
     )
     program = jax_core.program(plan)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
+    chosen = _transport.choose(list(tensors), transport)  # also validates `transport` up front
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors[:3]):
-        out = _SplashAttention.apply(program, *tensors)
-    else:  # no graph to build: the cheaper forward, and no residuals
-        out = _transport.to_torch([program.infer(*_transport.to_jax(tensors))], call.q.device)[0]
+        out = _SplashAttention.apply(program, transport, *tensors)
+    else:  # no autograd graph to build: the cheaper forward, and no residuals
+        (out,) = _transport.run(program.infer, list(tensors), chosen)
     return out.squeeze(0) if call.unbatched else out

@@ -1,0 +1,126 @@
+"""The in-graph transport on torch_xla's CPU device: splash inside torch_xla's lazy graph."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_splash
+from helpers import make_qkv
+from torch_splash import SplashConstraintError
+
+
+def _metric_count(name):
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data(name)
+    return 0 if data is None else data[0]
+
+
+def test_both_transports_give_identical_results(xla_device):
+    q, k, v = make_qkv(2, 4, 2, 150, 150, 64, 64, torch.float32, device=xla_device)
+    ids = torch.zeros(2, 150, dtype=torch.int32, device=xla_device)
+    ids[:, 70:] = 1
+    results = {}
+    for transport in ("dlpack", "graph"):
+        for t in (q, k, v):
+            t.grad = None
+        out = torch_splash.attention(q, k, v, "causal", segment_ids=ids, transport=transport)
+        out.sum().backward()
+        results[transport] = [t.cpu() for t in (out, q.grad, k.grad, v.grad)]
+    for a, b in zip(results["dlpack"], results["graph"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_graph_transport_does_not_sync(xla_device):
+    import torch_xla
+
+    base = [t.detach() for t in make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32, device=xla_device)]
+    torch_xla.sync()
+    q, k, v = (t * 1.5 for t in base)  # pending
+    executed = _metric_count("ExecuteTime")
+    out = torch_splash.attention(q, k, v, "causal")  # automatic: pending inputs -> graph
+    assert _metric_count("ExecuteTime") == executed  # nothing ran yet
+    assert torch_xla._XLAC._check_tensor_need_materialization([out]) == [True]
+    expected = torch_splash.attention(*(t.cpu() * 1.5 for t in base), "causal")
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_transport_choice_and_override(xla_device, monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
+    with pytest.raises(SplashConstraintError, match="transport='graph' needs torch_xla tensors"):
+        torch_splash.attention(q, k, v, transport="graph")
+    with pytest.raises(SplashConstraintError, match="transport='nccl': expected one of"):
+        torch_splash.attention(q, k, v, transport="nccl")
+    monkeypatch.setenv("TORCH_SPLASH_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(SplashConstraintError, match=r"\$TORCH_SPLASH_TRANSPORT='carrier-pigeon'"):
+        torch_splash.attention(q, k, v)
+    monkeypatch.setenv("TORCH_SPLASH_TRANSPORT", "graph")
+    xq, xk, xv = (t.detach().to(xla_device) for t in (q, k, v))
+    import torch_xla
+
+    torch_xla.sync()
+    executed = _metric_count("ExecuteTime")
+    out = torch_splash.attention(xq, xk, xv)  # materialised inputs, but the environment asks for graph
+    assert _metric_count("ExecuteTime") == executed
+    torch.testing.assert_close(out.cpu(), torch_splash.attention(q, k, v).detach(), atol=1e-6, rtol=1e-6)
+
+
+class TinyModel(nn.Module):
+    def __init__(self, attn, layers=2, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.attn, self.heads, self.kv_heads, self.head_dim = attn, heads, kv_heads, dim // heads
+        self.embed = nn.Embedding(50, dim)
+        self.qkv = nn.ModuleList(nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 50)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, l, _ = x.shape
+        for qkv, proj in zip(self.qkv, self.proj):
+            q, k, v = qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                    self.kv_heads * self.head_dim], -1)
+            q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            x = x + proj(self.attn(q, k, v).transpose(1, 2).reshape(b, l, -1))
+        return self.head(x)
+
+
+def _train(attn, device, steps=4):
+    import torch_xla
+
+    torch.manual_seed(0)
+    model = TinyModel(attn).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 50, (2, 129), generator=torch.Generator().manual_seed(1)).to(device)
+    losses, executions, compiles = [], [], []
+    for _ in range(steps):
+        before_exec, before_compile = _metric_count("ExecuteTime"), _metric_count("CompileTime")
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.item())
+        executions.append(_metric_count("ExecuteTime") - before_exec)
+        compiles.append(_metric_count("CompileTime") - before_compile)
+    return losses, executions, compiles
+
+
+def test_training_in_graph_is_one_graph_per_step_and_matches_sdpa(xla_device, monkeypatch):
+    def splash(q, k, v):
+        return torch_splash.attention(q, k, v, "causal", transport="graph")
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    losses, executions, compiles = _train(splash, xla_device)
+    ref_losses, _, _ = _train(sdpa, "cpu")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
+    assert executions == [1] * len(executions), executions  # forward, backward, update: one XLA graph
+    assert compiles[2:] == [0] * (len(compiles) - 2), compiles  # nothing recompiles once warm
+
+    dl_losses, dl_executions, _ = _train(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack"),
+                                         xla_device)
+    torch.testing.assert_close(torch.tensor(dl_losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
+    assert dl_executions[-1] > executions[-1]  # DLPack syncs the lazy graph at every attention call
