@@ -118,3 +118,22 @@ def test_gradient_only_for_some_inputs():
     k.requires_grad_(False)
     torch_splash.attention(q, k.detach(), v).sum().backward()
     assert q.grad is not None and v.grad is not None
+
+
+def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32)
+
+    def step(q, k, v):
+        return (torch_splash.attention(q * 2, k, v, "causal") + 1).square().sum()
+
+    compiled = torch.compile(step, backend="aot_eager")
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = step(q, k, v)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)

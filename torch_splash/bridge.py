@@ -35,6 +35,9 @@ class _SplashAttention(torch.autograd.Function):
         return (None, None, dq, dk, dv) + (None,) * ctx.num_ids
 
 
+# torch.compile cannot trace into JAX: Dynamo runs this function eagerly, with a graph break
+# around it (fullgraph=True needs torch.library custom ops, not built yet).
+@torch.compiler.disable
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
