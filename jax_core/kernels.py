@@ -31,7 +31,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 
 from . import masks as _masks
 from . import tables as _tables
-from .plan import LANES, Plan
+from .plan import Plan
 
 # Counts traces (not calls) of each program body: a cache hit traces nothing.
 TRACES: collections.Counter = collections.Counter()
@@ -114,7 +114,7 @@ class Program:
         ]
         kinds = [kind for kind, _ in self._sources]
         assert kinds.count("out") == kinds.count("lse") == 1, kinds
-        assert not any(kind == "const" and isinstance(v, jax.core.Tracer) for kind, v in self._sources), kinds
+        assert not any(kind == "const" and isinstance(value, jax.core.Tracer) for kind, value in self._sources), kinds
         self._residual_tree = tree
         return self._finish(out, lse), lse
 
@@ -140,7 +140,10 @@ class Program:
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
-        leaves = [inputs[v] if kind == "input" else found[kind] if kind in found else v for kind, v in self._sources]
+        leaves = [
+            inputs[value] if kind == "input" else found[kind] if kind in found else value
+            for kind, value in self._sources
+        ]
         d_out = jnp.where(row_has_keys[..., None], self._pad(d_out, 2, p.q_len_padded), 0).astype(d_out.dtype)
         dq, dk, dv = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
         dq = jnp.where(row_has_keys[..., None], dq, 0)
@@ -149,6 +152,7 @@ class Program:
         if p.is_mqa:
             dk, dv = dk[:, None], dv[:, None]
         return dq, dk, dv
+
 
 def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
     fields = plan.block_sizes()
@@ -176,7 +180,9 @@ def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
 def _has_allowed_pair(plan: Plan) -> bool:
     if isinstance(plan.mask, _masks.MultiHeadMask) or not plan.mask.computable:
         return bool(plan.mask.dense(plan.q_len, plan.kv_len).any())
-    table = _tables.block_mask_table(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, LANES, LANES)
+    blocks = plan.block_sizes()
+    table = _tables.block_mask_table(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
+                                     blocks["block_q"], blocks["block_kv"])
     return bool(table.any())
 
 
