@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _splash_mask
@@ -184,7 +185,10 @@ class ChunkedCausalMask(Mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class And(Mask):
+class _Composite(Mask):
+    """Two masks combined elementwise by `_op` (`_merge` is the same on `allows`, where None means
+    "all allowed")."""
+
     left: Mask
     right: Mask
 
@@ -193,45 +197,33 @@ class And(Mask):
         return self.left.computable and self.right.computable
 
     def allows(self, q_ids, kv_ids):
-        return _and(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
+        return self._merge(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
 
     def blocks(self, q0, q1, k0, k1):
         (any_l, all_l), (any_r, all_r) = self.left.blocks(q0, q1, k0, k1), self.right.blocks(q0, q1, k0, k1)
-        return any_l & any_r, all_l & all_r
+        return self._op(any_l, any_r), self._op(all_l, all_r)
 
     def check(self, num_q_heads, q_len, kv_len):
         self.left.check(num_q_heads, q_len, kv_len)
         self.right.check(num_q_heads, q_len, kv_len)
 
     def dense(self, q_len, kv_len):
-        return self.left.dense(q_len, kv_len) & self.right.dense(q_len, kv_len)
+        return self._op(self.left.dense(q_len, kv_len), self.right.dense(q_len, kv_len))
 
 
 @dataclasses.dataclass(frozen=True)
-class Or(Mask):
-    left: Mask
-    right: Mask
+class And(_Composite):
+    _op = staticmethod(operator.and_)
+    _merge = staticmethod(_and)
 
-    @property
-    def computable(self):
-        return self.left.computable and self.right.computable
 
-    def allows(self, q_ids, kv_ids):
-        return _or(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
-
-    def blocks(self, q0, q1, k0, k1):
-        (any_l, all_l), (any_r, all_r) = self.left.blocks(q0, q1, k0, k1), self.right.blocks(q0, q1, k0, k1)
-        return any_l | any_r, all_l | all_r
+@dataclasses.dataclass(frozen=True)
+class Or(_Composite):
+    _op = staticmethod(operator.or_)
+    _merge = staticmethod(_or)
 
     def may_empty_rows(self) -> bool:
         return self.left.may_empty_rows() and self.right.may_empty_rows()
-
-    def check(self, num_q_heads, q_len, kv_len):
-        self.left.check(num_q_heads, q_len, kv_len)
-        self.right.check(num_q_heads, q_len, kv_len)
-
-    def dense(self, q_len, kv_len):
-        return self.left.dense(q_len, kv_len) | self.right.dense(q_len, kv_len)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -340,7 +332,7 @@ def _call_shape(spec: Mask, q_len_padded: int, kv_len: int) -> tuple[int, int]:
 
 
 def _leaves(spec: Mask):
-    if isinstance(spec, (And, Or)):
+    if isinstance(spec, _Composite):
         yield from _leaves(spec.left)
         yield from _leaves(spec.right)
     else:
