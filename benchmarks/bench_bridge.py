@@ -53,7 +53,7 @@ def contenders(batch, heads, length, dim):
                          head_dim=dim, head_dim_v=dim, dtype="float32", mask=jax_core.CausalMask(0),
                          scale=dim**-0.5)
     kernel = jax_core.program(plan).kernel  # the same vmapped splash kernel the bridge runs
-    jq, jk, jv, jdo = _transport.to_jax([q * dim**-0.5, k, v, do])
+    jq, jk, jv, jdo = _transport.to_jax([q, k * dim**-0.5, v, do])  # the bridge pre-scales k too
     jax_fwd = jax.jit(kernel)
     jax_fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(kernel, q, k, v)[1](do))
     jax_fwd_train = jax.jit(lambda q, k, v: jax.vjp(kernel, q, k, v))
@@ -64,7 +64,12 @@ def contenders(batch, heads, length, dim):
     def bridge_fwd_train():
         torch_splash.attention(qg, kg, vg, "causal")
 
+    def clear_grads():  # so that backward assigns .grad, as JAX returns fresh gradients
+        for t in (qg, kg, vg):
+            t.grad = None
+
     def bridge_fwd_bwd():
+        clear_grads()
         torch_splash.attention(qg, kg, vg, "causal").backward(do)
 
     def direct_fwd():
@@ -80,6 +85,7 @@ def contenders(batch, heads, length, dim):
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def sdpa_fwd_bwd():
+        clear_grads()
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
     return dict(bridge_fwd=bridge_fwd, direct_fwd=direct_fwd, sdpa_fwd=sdpa_fwd,
@@ -115,7 +121,7 @@ def measure_all(fns, rounds, per_round):
 
 
 def main(quick: bool = False):
-    big = measure_all(contenders(2, 8, 2048, 128), rounds=2 if quick else 8, per_round=1)
+    big = measure_all(contenders(2, 8, 2048, 128), rounds=2 if quick else 15, per_round=1)
     small = measure_all(contenders(1, 1, 128, 64), rounds=4 if quick else 10, per_round=20 if quick else 100)
     results = {
         "large": {"shape": "B=2 H=8 L=2048 D=128 causal f32", **big,

@@ -1,7 +1,8 @@
 """The splash programs the bridge runs: one jitted forward and one jitted backward per plan.
 
 forward(q, k, v[, q_ids, kv_ids]) -> (out, logsumexp)
-    scales q, pads to the plan's lengths and runs the Pallas forward once, under `jax.vjp`.
+    scales k (the kernel applies no softmax scale), pads to the plan's lengths and runs the
+    Pallas forward once, under `jax.vjp`.
 infer(q, k, v[, q_ids, kv_ids]) -> out
     the same without gradients: where no row can lack a visible key (no segment ids, a mask
     that keeps every row non-empty) it runs the forward kernel without residuals, which in
@@ -46,6 +47,8 @@ class Program:
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
         self.no_pairs = not _has_allowed_pair(plan)
+        # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
+        self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.kernel = None if self.no_pairs else jax.vmap(_build_kernel(plan))
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
@@ -61,8 +64,10 @@ class Program:
         return jnp.pad(x, widths)
 
     def _kernel_inputs(self, q, k, v):
+        # The kernel applies no softmax scale. Scaling k rather than q gives the same logits, and
+        # the kernel's dq is then already the caller's; with GQA k is also the smaller tensor.
         p = self.plan
-        q = (q.astype(jnp.float32) * p.scale).astype(q.dtype)
+        k = (k.astype(jnp.float32) * p.scale).astype(k.dtype)
         q = self._pad(q, 2, p.q_len_padded)
         if p.is_mqa:  # the MQA kernel takes k and v without a head axis
             k, v = k[:, 0], v[:, 0]
@@ -90,7 +95,8 @@ class Program:
 
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
-        out = jnp.where((lse > _EMPTY_ROW_LSE)[..., None], out, 0).astype(out.dtype)
+        if self.rows_may_be_empty:
+            out = jnp.where((lse > _EMPTY_ROW_LSE)[..., None], out, 0).astype(out.dtype)
         return out[:, :, : self.plan.q_len]
 
     def _nothing_visible(self, q, v):
@@ -122,7 +128,7 @@ class Program:
         TRACES["infer"] += 1
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
-        if ids or self.plan.mask.may_empty_rows():
+        if self.rows_may_be_empty:
             out, lse, *_ = self._vjp(q, k, v, ids)
             return self._finish(out, lse)
         return self.kernel(*self._kernel_inputs(q, k, v))[:, :, : self.plan.q_len]
@@ -136,7 +142,6 @@ class Program:
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         inputs = [q, k, v, *(segment_ids or ())]
-        row_has_keys = lse > _EMPTY_ROW_LSE
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
@@ -144,11 +149,16 @@ class Program:
             inputs[value] if kind == "input" else found[kind] if kind in found else value
             for kind, value in self._sources
         ]
-        d_out = jnp.where(row_has_keys[..., None], self._pad(d_out, 2, p.q_len_padded), 0).astype(d_out.dtype)
+        d_out = self._pad(d_out, 2, p.q_len_padded)
+        if self.rows_may_be_empty:
+            row_has_keys = (lse > _EMPTY_ROW_LSE)[..., None]
+            d_out = jnp.where(row_has_keys, d_out, 0).astype(d_out.dtype)
         dq, dk, dv = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
-        dq = jnp.where(row_has_keys[..., None], dq, 0)
-        dq = (dq[:, :, : p.q_len].astype(jnp.float32) * p.scale).astype(dq.dtype)
-        dk, dv = dk[..., : p.kv_len, :], dv[..., : p.kv_len, :]
+        if self.rows_may_be_empty:
+            dq = jnp.where(row_has_keys, dq, 0).astype(dq.dtype)
+        dq = dq[:, :, : p.q_len]
+        dk = (dk[..., : p.kv_len, :].astype(jnp.float32) * p.scale).astype(dk.dtype)
+        dv = dv[..., : p.kv_len, :]
         if p.is_mqa:
             dk, dv = dk[:, None], dv[:, None]
         return dq, dk, dv
