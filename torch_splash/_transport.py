@@ -6,10 +6,9 @@ program runs eagerly, so a torch_xla input's pending graph is executed first (a 
 into torch_xla's lazy graph, where XLA runs it next to the rest of the model: no sync, no host
 round trip. It is the only way on TPU, where no layer supports DLPack.
 
-JAX reads DLPack strides wrongly for non-contiguous tensors, so inputs are made contiguous first
-(HF passes transposed views). A torch_xla tensor with pending lazy ops aborts the process inside
-`to_dlpack`, so those are materialised first. On TPU no layer supports DLPack (see DESIGN.md): the
-in-graph transport serves it.
+JAX reads DLPack strides wrongly for non-contiguous tensors, so DLPack inputs are made contiguous
+first (HF passes transposed views). A torch_xla tensor with pending lazy ops aborts the process
+inside `to_dlpack`, so those are materialised first.
 """
 
 from __future__ import annotations
