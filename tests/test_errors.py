@@ -138,6 +138,7 @@ def test_mask_scale_soft_cap():
         torch_splash.masks.ChunkedCausalMask(0)
     raises(SplashConstraintError, r"soft_cap=0.0: must be > 0", q, k, v, soft_cap=0.0)
     raises(SplashConstraintError, r"scale=nan", q, k, v, scale=float("nan"))
+    raises(SplashConstraintError, r"transport='nccl': expected one of", q, k, v, transport="nccl")
     with pytest.raises(SplashConstraintError, match=r"offset=1.5 must be an int"):
         torch_splash.masks.CausalMask(1.5)
 

@@ -14,9 +14,10 @@ class _SplashAttention(torch.autograd.Function):
     output and the logsumexp); backward runs only the dq and dkv kernels on them."""
 
     @staticmethod
-    def forward(ctx, program, transport, q, k, v, *segment_ids):
-        tensors = [q, k, v, *segment_ids]
-        out, lse = _transport.run(program.forward, tensors, _transport.choose(tensors, transport))
+    def forward(ctx, program, transport, chosen, q, k, v, *segment_ids):
+        # `transport` is the caller's request, re-decided for the backward's own inputs; `chosen`
+        # is what attention() already decided for these.
+        out, lse = _transport.run(program.forward, [q, k, v, *segment_ids], chosen)
         ctx.program = program
         ctx.transport = transport
         ctx.num_ids = len(segment_ids)
@@ -32,7 +33,7 @@ class _SplashAttention(torch.autograd.Function):
             )
         tensors = [*ctx.saved_tensors, d_out]
         dq, dk, dv = _transport.run(ctx.program.backward, tensors, _transport.choose(tensors, ctx.transport))
-        return (None, None, dq, dk, dv) + (None,) * ctx.num_ids
+        return (None, None, None, dq, dk, dv) + (None,) * ctx.num_ids
 
 
 # torch.compile cannot trace into JAX: Dynamo runs this function eagerly, with a graph break
@@ -68,6 +69,8 @@ def attention(
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
     """
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap)
+    tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
+    chosen = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
     platform = _transport.platform_of(call.q.device)
     batch, hq, q_len, head_dim = call.q.shape
     plan = jax_core.plan(
@@ -87,10 +90,8 @@ def attention(
         platform=platform,
     )
     program = jax_core.program(plan)
-    tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
-    chosen = _transport.choose(list(tensors), transport)  # also validates `transport` up front
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors[:3]):
-        out = _SplashAttention.apply(program, transport, *tensors)
+        out = _SplashAttention.apply(program, transport, chosen, *tensors)
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         (out,) = _transport.run(program.infer, list(tensors), chosen)
     return out.squeeze(0) if call.unbatched else out
