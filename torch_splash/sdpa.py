@@ -77,6 +77,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             )
     if attn_mask is None:
         return attention(query, key, value, "causal" if is_causal else None, scale=scale)
+    return masked_attention(query, key, value, attn_mask, scale=scale)
+
+
+def masked_attention(query, key, value, attn_mask, **options):
+    """`attention(query, key, value, ...)` under an SDPA-style mask tensor (bool, or float 0/-inf
+    broadcastable to (B, Hq, Lq, Lkv)); `options` (scale, soft_cap) pass through to `attention`."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -94,16 +100,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask.dim() < 3 or attn_mask.shape[-3] == 1:
         mask = mask[:, :1]
     if mask.shape[0] == 1 or all(torch.equal(mask[0], m) for m in mask[1:]):
-        return attention(query, key, value, _shared_mask(mask[0]), scale=scale)
+        return attention(query, key, value, _shared_mask(mask[0]), **options)
     # Batch-varying: key padding (a per-batch set of valid keys over one shared mask) is segment ids.
     valid = mask.any(dim=(1, 2))  # (B, Lkv)
     shared = (mask | ~valid[:, None, None, :]).all(dim=0)  # (H or 1, Lq, Lkv)
     if torch.equal(mask, shared[None] & valid[:, None, None, :]):
         q_ids = torch.ones(batch, q_len, dtype=torch.int32, device=mask.device)
         segment_ids = (q_ids, valid.to(torch.int32))
-        return attention(query, key, value, _shared_mask(shared), scale=scale, segment_ids=segment_ids)
+        return attention(query, key, value, _shared_mask(shared), segment_ids=segment_ids, **options)
     return torch.cat([
-        attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], _shared_mask(mask[b]), scale=scale)
+        attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], _shared_mask(mask[b]), **options)
         for b in range(batch)
     ])
 

@@ -1,0 +1,184 @@
+"""attn_implementation="splash" in tiny HF models built from configs (no download), against "sdpa"
+(or "eager" for Gemma 2, which transformers runs with eager because of its soft cap)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import masking_utils as mu  # noqa: E402
+
+import torch_splash  # noqa: E402
+import torch_splash.hf as hf  # noqa: E402
+
+# f32 models: logits and gradients go through 2 layers of attention, MLP and norms; the attention
+# itself matches to ~1e-6, measured model differences are ~1e-6 (logits) and ~1e-6 (grads).
+ATOL = 1e-4
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=5),
+    "qwen2": lambda: transformers.Qwen2Config(**{**SMALL, "num_key_value_heads": 1}, use_sliding_window=True,
+                                              sliding_window=5, max_window_layers=1),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
+                                                final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+}
+BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager"}
+L = 12
+
+
+def make_model(family):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="splash")
+    return model.float()
+
+
+def batch(layout):
+    """input_ids, attention_mask (None for packed), position_ids (packed only), valid positions."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, L), generator=g)
+    if layout == "packed":  # one row holding sequences of 5, 4 and 3 tokens, as padding-free collators make
+        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]] * 2)
+        return ids, None, positions, torch.ones(2, L, dtype=torch.bool)
+    mask = torch.ones(2, L, dtype=torch.long)
+    if layout == "right":
+        mask[1, -4:] = 0
+    elif layout == "left":
+        mask[1, :4] = 0
+    return ids, mask, None, mask.bool()
+
+
+def logits_and_grads(model, impl, ids, mask, positions, valid):
+    model.set_attn_implementation(impl)
+    model.zero_grad()
+    # The loss skips tokens at padded positions and tokens predicted from padded positions: what a
+    # fully masked (left-padded) query row returns differs by implementation (0 in sdpa and splash,
+    # a uniform average in eager), and no real prediction comes from it.
+    predicted_from_valid = torch.cat([valid[:, :1], valid[:, :-1]], dim=1)
+    labels = ids.masked_fill(~(valid & predicted_from_valid), -100)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("layout", ["none", "right", "left", "packed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_gradients_match(family, layout, monkeypatch):
+    model = make_model(family)
+    ids, mask, positions, valid = batch(layout)
+    ref = logits_and_grads(model, BASELINE[family], ids, mask, positions, valid)
+    with monkeypatch.context() as patched:  # the structured path, not the dense fallback, serves these layouts
+        patched.setattr(mu, "sdpa_mask", lambda *a, **k: pytest.fail("dense mask built"))
+        got = logits_and_grads(model, "splash", ids, mask, positions, valid)
+    torch.testing.assert_close(got[0][valid], ref[0][valid], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=0)
+    assert got[2].keys() == ref[2].keys() and len(got[2]) == len(list(model.parameters()))
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_matches(family):
+    """Prefill, then decode with the default DynamicCache (Lq = 1 against a growing Lkv), left-padded;
+    12 + 8 tokens run past the sliding window of 5."""
+    model = make_model(family).eval()
+    ids, mask, _, _ = batch("left")
+    tokens = {}
+    for impl in (BASELINE[family], "splash"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens["splash"], tokens[BASELINE[family]])
+
+
+def test_patch_switches_a_loaded_model():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    assert model.config._attn_implementation != "splash"
+    ids = torch.randint(0, 128, (1, 9))
+    expected = model(ids).logits
+    assert hf.patch(model) is model and model.config._attn_implementation == "splash"
+    torch.testing.assert_close(model(ids).logits, expected, atol=ATOL, rtol=0)
+
+
+# The mask function: structured masks, segment ids, nothing (Lq, Lkv)-sized.
+
+def test_mask_function_causal_prefill_and_decode_offsets():
+    assert hf.splash_mask(2, 7, 7) == hf.SplashMask(torch_splash.masks.CausalMask(0))
+    # decoding: 1 query at position 9 against 10 cached keys -> bottom-right causal
+    assert hf.splash_mask(2, 1, 10, q_offset=9) == hf.SplashMask(torch_splash.masks.CausalMask(9))
+
+
+def test_mask_function_sliding_window_is_a_local_mask():
+    got = hf.splash_mask(1, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3))
+    assert got == hf.SplashMask(torch_splash.masks.LocalMask(2, 0, 0))
+    # a sliding cache that kept keys from position 4 on, queried at position 8
+    got = hf.splash_mask(1, 1, 3, q_offset=8, kv_offset=4, mask_function=mu.sliding_window_causal_mask_function(3))
+    assert got.mask == torch_splash.masks.LocalMask(2, 0, 4)
+
+
+def _dense(splash_mask, q_len, kv_len):
+    allowed = torch.from_numpy(splash_mask.mask.dense(q_len, kv_len).copy())[None]
+    if splash_mask.segment_ids is not None:
+        q_ids, kv_ids = splash_mask.segment_ids
+        allowed = allowed & (q_ids[:, :, None] == kv_ids[:, None, :])
+    return allowed
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_mask_function_padding_matches_hf_on_valid_rows(window):
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    got = hf.splash_mask(3, 6, 6, mask_function=fn, attention_mask=padding)
+    assert got.segment_ids[0].shape == (3, 6) and got.segment_ids[1].shape == (3, 6)
+    expected = mu.sdpa_mask(3, 6, 6, mask_function=fn, attention_mask=padding, allow_is_causal_skip=False)[:, 0]
+    dense = _dense(got, 6, 6)
+    assert torch.equal(dense[padding], expected[padding])
+    assert not dense[~padding].any()  # padded query rows see nothing: they return 0
+
+
+def test_mask_function_packed_sequences_are_segment_ids():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    packed = mu.find_packed_sequence_indices(positions)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                      mu.packed_sequence_mask_function(packed))
+    got = hf.splash_mask(1, 6, 6, mask_function=fn)
+    assert got.mask == torch_splash.masks.CausalMask(0)
+    expected = mu.sdpa_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False)[:, 0]
+    assert torch.equal(_dense(got, 6, 6), expected)
+
+
+def test_unrecognised_mask_function_falls_back_to_hf_dense_mask():
+    def prefix_lm(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx < 2
+
+    fn = mu.or_masks(mu.causal_mask_function, prefix_lm)
+    got = hf.splash_mask(1, 5, 5, mask_function=fn, use_vmap=True)
+    assert torch.equal(got, mu.sdpa_mask(1, 5, 5, mask_function=fn, allow_is_causal_skip=False, use_vmap=True))
+
+
+def test_attention_function_serves_a_dense_4d_mask():
+    """A user's own 4-D mask passes through transformers untouched: it is served by the dense path."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 16, generator=g) for h in (4, 2, 2))
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    mask[..., 0] = True
+    out, weights = hf.splash_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5, enable_gqa=True)
+    assert weights is None and out.is_contiguous() and out.shape == (2, 6, 4, 16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=2e-5, rtol=0)
+
+
+def test_training_with_attention_dropout_is_refused():
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**{**SMALL, "attention_dropout": 0.1}), attn_implementation="splash").train()
+    with pytest.raises(torch_splash.SplashConstraintError, match="attention_dropout"):
+        model(torch.randint(0, 128, (1, 5)))
+    model.eval()(torch.randint(0, 128, (1, 5)))  # dropout is 0 at eval: fine
+
+
+def test_attention_sinks_are_refused_clearly():
+    q = k = v = torch.zeros(1, 2, 4, 16)
+    with pytest.raises(torch_splash.SplashConstraintError, match="sinks"):
+        hf.splash_attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
