@@ -4,6 +4,8 @@
 #   ./dev.sh test [args]   installs what is missing, runs the test suite (extra args go to pytest)
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 #   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
+#   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
+#   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
 # The venv lives in .venv and is rebuilt only when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,5 +25,7 @@ case "$cmd" in
   test) exec .venv/bin/python -m pytest "$@" ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks" >&2; exit 2 ;;
+  bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
+  hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | hf-finetune" >&2; exit 2 ;;
 esac

@@ -182,3 +182,19 @@ def test_attention_sinks_are_refused_clearly():
     q = k = v = torch.zeros(1, 2, 4, 16)
     with pytest.raises(torch_splash.SplashConstraintError, match="sinks"):
         hf.splash_attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
+
+
+def test_finetune_example_runs(tmp_path):
+    """examples/hf_finetune.py as the README runs it, shortened: both curves, their difference, the plot."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "examples" / "hf_finetune.py"
+    plot = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, str(script), "--steps", "3", "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    diff = float(re.search(r"largest loss difference over 3 steps: (\S+)", done.stdout).group(1))
+    assert diff < 1e-4 and plot.stat().st_size > 0
