@@ -1,6 +1,6 @@
 """Shape-free mask specifications and their binding to the kernel's padded (Lq, Lkv) grid.
 
-A structured mask (full, causal, local, chunked, and their `&` / `|` compositions) is a frozen,
+A structured mask (full, causal, local, chunked, and their `&` / `|` compositions) is an immutable,
 hashable dataclass with `allows(q_ids, kv_ids)`: a predicate written with operators that work on
 NumPy arrays (the host builds the block tables with it) and on jnp arrays inside the Pallas kernel
 (partial blocks are masked in-kernel; nothing L x L is stored). A `DenseMask` holds a bool array
@@ -37,7 +37,24 @@ def _or(a, b):
     return None if a is None or b is None else a | b
 
 
-class Mask:
+class Immutable:
+    """Base of the values callers pass as options (masks, block sizes): dataclasses with
+    `unsafe_hash=True` that refuse assignment once constructed, since they key caches.
+
+    Not `frozen=True`: torch.compile's Dynamo (torch 2.9) cannot hand frozen dataclass instances
+    to the torch side's nonstrict_trace region. `__post_init__` normalises with object.__setattr__.
+    """
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to {name!r}: {type(self).__name__} is immutable.")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete {name!r}: {type(self).__name__} is immutable.")
+
+
+class Mask(Immutable):
     """Base of every mask: `a & b` and `a | b` compose, as the JAX kernel's LogicalAnd/LogicalOr."""
 
     computable = True  # evaluable in-kernel from indices alone
@@ -82,7 +99,7 @@ def _as_mask(value) -> Mask:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class FullMask(Mask):
     """Every query sees every key."""
 
@@ -97,7 +114,7 @@ class FullMask(Mask):
         return False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class CausalMask(Mask):
     """Row i sees keys j <= i + offset.
 
@@ -120,7 +137,7 @@ class CausalMask(Mask):
         return self.offset < 0  # row i < -offset sees no key
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class LocalMask(Mask):
     """Row i sees keys j with i + offset - window_left <= j <= i + offset + window_right.
 
@@ -159,7 +176,7 @@ class LocalMask(Mask):
         return any_, all_
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class ChunkedCausalMask(Mask):
     """Causal attention within consecutive chunks of `chunk_size` tokens (Llama 4)."""
 
@@ -184,7 +201,7 @@ class ChunkedCausalMask(Mask):
         return any_, all_
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class _Composite(Mask):
     """Two masks combined elementwise by `_op` (`_merge` is the same on `allows`, where None means
     "all allowed")."""
@@ -211,13 +228,13 @@ class _Composite(Mask):
         return self._op(self.left.dense(q_len, kv_len), self.right.dense(q_len, kv_len))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class And(_Composite):
     _op = staticmethod(operator.and_)
     _merge = staticmethod(_and)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class Or(_Composite):
     _op = staticmethod(operator.or_)
     _merge = staticmethod(_or)
@@ -226,7 +243,7 @@ class Or(_Composite):
         return self.left.may_empty_rows() and self.right.may_empty_rows()
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class DenseMask(Mask):
     """A bool array (Lq, Lkv), True = attend, bound to that one shape. Equal by content."""
 
@@ -268,7 +285,7 @@ class DenseMask(Mask):
         return self.array
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(unsafe_hash=True)
 class MultiHeadMask(Mask):
     """One mask per query head (a tuple of masks, none of them per-head itself)."""
 

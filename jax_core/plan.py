@@ -18,6 +18,7 @@ import functools
 import math
 
 from .errors import SplashConstraintError
+from .masks import Immutable
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
@@ -36,8 +37,8 @@ _Q_BWD_FIELDS = ("block_q_dq", "block_q_dkv")
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
+@dataclasses.dataclass(unsafe_hash=True)
+class BlockSizes(Immutable):
     """The JAX kernel's `BlockSizes` fields, each optional: fields left None are planned.
 
     A block longer than the padded sequence is clamped to it. A kv block (or compute block) that

@@ -6,39 +6,139 @@ import torch
 
 import jax_core
 
-from . import _checks, _transport
+from . import _checks, _sharding, _transport
+from . import masks as _masks
 
 
-class _SplashAttention(torch.autograd.Function):
-    """Forward runs the Pallas forward once and keeps its residuals as tensors (the inputs, the
-    output and the logsumexp); backward runs only the dq and dkv kernels on them."""
-
-    @staticmethod
-    def forward(ctx, program, transport, chosen, q, k, v, *segment_ids):
-        # `transport` is the caller's request, re-decided for the backward's own inputs; `chosen`
-        # is what attention() already decided for these.
-        out, lse = _transport.run(program.forward, [q, k, v, *segment_ids], chosen)
-        ctx.program = program
-        ctx.transport = transport
-        ctx.num_ids = len(segment_ids)
-        ctx.save_for_backward(q, k, v, *segment_ids, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        if torch.is_grad_enabled():  # create_graph=True: a graph of the backward was asked for
-            raise NotImplementedError(
-                "torch_splash.attention supports one backward pass, not double backward "
-                "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
-            )
-        tensors = [*ctx.saved_tensors, d_out]
-        dq, dk, dv = _transport.run(ctx.program.backward, tensors, _transport.choose(tensors, ctx.transport))
-        return (None, None, None, dq, dk, dv) + (None,) * ctx.num_ids
+# Splash as torch.library custom ops, so torch.compile / AOTAutograd trace through them: eager
+# calls run the JAX programs; fake (meta) implementations give torch the output shapes. A call's
+# plan (and SPMD sharding, if any) reaches the ops as an index into _CALLS (ops take ints, not
+# objects); each op looks its program up in jax_core's cache. `chosen` is the transport
+# attention() picked for these tensors; `requested` is the caller's request ("" for automatic),
+# decided afresh for the backward's tensors.
+_CALLS: list[tuple[jax_core.Plan, _sharding.Sharding | None]] = []
+_CALL_INDEX: dict[tuple, int] = {}
 
 
-# torch.compile cannot trace into JAX: Dynamo runs this function eagerly, with a graph break
-# around it (fullgraph=True needs torch.library custom ops, not built yet).
-@torch.compiler.disable
+def _call_index(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None) -> int:
+    key = (plan, sharding)
+    if key not in _CALL_INDEX:
+        _CALL_INDEX[key] = len(_CALLS)
+        _CALLS.append(key)
+    return _CALL_INDEX[key]
+
+
+def _run(index: int, kernel: str, inputs: list, transport: str, out_roles: tuple) -> list[torch.Tensor]:
+    """The program's `kernel` on `inputs`, (role, tensor) pairs (the tensor None for absent segment
+    ids); roles (_sharding.Sharding.spec) say how each tensor is sharded under SPMD."""
+    plan, sharding = _CALLS[index]
+    fn = getattr(jax_core.program(plan), kernel)
+    roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
+    if sharding is None:
+        return _transport.run(fn, list(tensors), transport)
+    return sharding.run(fn, tensors, roles, out_roles)
+
+
+def _inputs(q, k, v, q_ids, kv_ids) -> list:
+    return [("q", q), ("kv", k), ("kv", v), ("ids", q_ids), ("ids", kv_ids)]
+
+
+@torch.library.custom_op("torch_splash::forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
+             kv_ids: torch.Tensor | None, call: int, chosen: str, requested: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and logsumexp (the one residual torch does not already hold)."""
+    out, lse = _run(call, "forward", _inputs(q, k, v, q_ids, kv_ids), chosen, ("q", "lse"))
+    return out, lse
+
+
+@_forward.register_fake
+def _(q, k, v, q_ids, kv_ids, call, chosen, requested):
+    lse_len = _CALLS[call][0].q_len_padded
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
+
+
+@torch.library.custom_op("torch_splash::infer", mutates_args=())
+def _infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
+           kv_ids: torch.Tensor | None, call: int, chosen: str) -> torch.Tensor:
+    """The forward without residuals, where no gradient is needed."""
+    (out,) = _run(call, "infer", _inputs(q, k, v, q_ids, kv_ids), chosen, ("q",))
+    return out
+
+
+@_infer.register_fake
+def _(q, k, v, q_ids, kv_ids, call, chosen):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("torch_splash::backward", mutates_args=())
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
+              kv_ids: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, call: int,
+              requested: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from the dq/dkv kernels alone, on the forward's residuals."""
+    inputs = _inputs(q, k, v, q_ids, kv_ids) + [("q", out), ("lse", lse), ("q", d_out)]
+    transport = _transport.choose([t for _, t in inputs if t is not None], requested or None)
+    dq, dk, dv = _run(call, "backward", inputs, transport, ("q", "kv", "kv"))
+    return dq, dk, dv
+
+
+@_backward.register_fake
+def _(q, k, v, q_ids, kv_ids, out, lse, d_out, call, requested):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+
+
+def _save_residuals(ctx, inputs, output):
+    q, k, v, q_ids, kv_ids, call, _, requested = inputs
+    ctx.call, ctx.requested = call, requested
+    ctx.save_for_backward(q, k, v, q_ids, kv_ids, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _differentiate(ctx, d_out, _):
+    if torch.is_grad_enabled():  # create_graph=True
+        raise NotImplementedError(
+            "torch_splash.attention supports one backward pass, not double backward "
+            "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
+        )
+    q, k, v, q_ids, kv_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, ctx.call, ctx.requested)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_forward.register_autograd(_differentiate, setup_context=_save_residuals)
+
+# The options attention() takes cross into torch.compile's nonstrict_trace region as constants:
+# Dynamo guards on their equality and recompiles when one changes.
+for _option in (jax_core.BlockSizes, *_masks.TYPES):
+    torch.utils._pytree.register_constant(_option)
+
+
+def _plan(call: _checks.Call, block_sizes, platform: str, sharding: _sharding.Sharding | None) -> jax_core.Plan:
+    """The plan of a checked call: at the shapes each device sees when sharded."""
+    batch, q_heads, q_len, head_dim = call.q.shape
+    kv_heads = call.k.shape[1]
+    if sharding is not None:
+        batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
+    return jax_core.plan(
+        batch=batch,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=call.k.shape[2],
+        head_dim=head_dim,
+        head_dim_v=call.v.shape[-1],
+        dtype=_checks.dtype_name(call.q),
+        mask=call.mask,
+        scale=call.scale,
+        soft_cap=call.soft_cap,
+        has_segment_ids=call.segment_ids is not None,
+        block_sizes=block_sizes,
+        platform=platform,
+    )
+
+
+# Under torch.compile, Dynamo does not trace this body (checks and planning: plain Python on
+# shapes): it runs on fake tensors while the graph is built and leaves only the custom ops in it.
+@torch._dynamo.nonstrict_trace
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,6 +150,8 @@ def attention(
     soft_cap: float | None = None,
     block_sizes: jax_core.BlockSizes | None = None,
     transport: str | None = None,
+    partition_spec: tuple | None = None,
+    mesh=None,
 ) -> torch.Tensor:
     """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
 
@@ -64,34 +166,23 @@ def attention(
     transport: "dlpack" or "graph" (torch_xla's lazy graph; torch_xla tensors only); default: the
     environment variable TORCH_SPLASH_TRANSPORT, else automatic (in-graph on TPU and whenever a
     torch_xla input is part of a pending lazy graph, DLPack otherwise).
+    partition_spec, mesh: under torch_xla SPMD, how q, k, v are sharded over a mesh (default: the
+    global mesh), e.g. ("data", "model", None, None): batch and heads only; each device runs the
+    kernels on its own shard (see torch_splash/_sharding.py).
 
     Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
     """
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap)
+    sharding = _sharding.check(partition_spec, mesh, call, transport)
+    if sharding is not None:
+        call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     chosen = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
-    platform = _transport.platform_of(call.q.device)
-    batch, hq, q_len, head_dim = call.q.shape
-    plan = jax_core.plan(
-        batch=batch,
-        num_q_heads=hq,
-        num_kv_heads=call.k.shape[1],
-        q_len=q_len,
-        kv_len=call.k.shape[2],
-        head_dim=head_dim,
-        head_dim_v=call.v.shape[-1],
-        dtype=_checks.dtype_name(call.q),
-        mask=call.mask,
-        scale=call.scale,
-        soft_cap=call.soft_cap,
-        has_segment_ids=call.segment_ids is not None,
-        block_sizes=block_sizes,
-        platform=platform,
-    )
-    program = jax_core.program(plan)
+    plan = _plan(call, block_sizes, _transport.platform_of(call.q.device), sharding)
+    index, q_ids, kv_ids = _call_index(plan, sharding), *(call.segment_ids or (None, None))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors[:3]):
-        out = _SplashAttention.apply(program, transport, chosen, *tensors)
+        out, _ = _forward(call.q, call.k, call.v, q_ids, kv_ids, index, chosen, transport or "")
     else:  # no autograd graph to build: the cheaper forward, and no residuals
-        (out,) = _transport.run(program.infer, list(tensors), chosen)
+        out = _infer(call.q, call.k, call.v, q_ids, kv_ids, index, chosen)
     return out.squeeze(0) if call.unbatched else out

@@ -25,13 +25,16 @@ import torch
 
 from jax_core import SplashConstraintError
 from jax_core.masks import (
+    And,
     CausalMask,
     ChunkedCausalMask,
     DenseMask,
     FullMask,
+    Immutable,
     LocalMask,
     Mask,
     MultiHeadMask,
+    Or,
 )
 
 __all__ = [
@@ -72,8 +75,8 @@ def from_tensor(mask: torch.Tensor) -> Mask:
     return MultiHeadMask(tuple(DenseMask(m) for m in array))
 
 
-@dataclasses.dataclass(frozen=True)
-class MaskMod:
+@dataclasses.dataclass(unsafe_hash=True)
+class MaskMod(Immutable):
     """A FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool`, bound at call time."""
 
     fn: object
@@ -138,3 +141,7 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
         "tensor, from_mask_mod(fn), or a list with one mask per query head."
     )
 
+
+
+# Every mask type a caller can pass (torch.compile treats them as constants; see bridge.py).
+TYPES = (FullMask, CausalMask, LocalMask, ChunkedCausalMask, And, Or, DenseMask, MultiHeadMask, MaskMod)

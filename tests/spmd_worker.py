@@ -1,0 +1,139 @@
+"""Run by tests/test_spmd.py in its own process: torch_xla SPMD over 4 CPU devices must be set up
+before torch_xla's runtime starts, which the main test process has already done.
+
+For each case, attention over q/k/v sharded on a (2, 2) mesh ("data", "model") against the same
+call on unsharded CPU tensors; prints one JSON line per case.
+"""
+
+import json
+import os
+import sys
+
+os.environ["PJRT_DEVICE"] = "CPU"
+os.environ["CPU_NUM_DEVICES"] = "4"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+
+import jax.export  # noqa: E402
+
+import jax_core  # noqa: E402
+import torch_splash  # noqa: E402
+from torch_splash import bridge  # noqa: E402
+
+CASES = {
+    # name: (partition_spec, Hq, Hkv, mask, segment ids)
+    "batch": (("data", None, None, None), 4, 2, "causal", False),
+    "heads-gqa": ((None, "model", None, None), 4, 2, "causal", True),
+    "batch-and-heads-gqa": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True),
+    "batch-and-heads-mqa": (("data", "model", None, None), 4, 1, "causal", False),
+    "all-devices-on-batch": ((("data", "model"), None, None, None), 2, 2, None, True),
+    "inputs-not-marked": (("data", "model", None, None), 4, 2, "causal", False),
+}
+
+
+RAN = []  # the (plan, sharding) of every kernel run, recorded around bridge._run
+_run = bridge._run
+
+
+def _recording_run(index, *args):
+    RAN.append(bridge._CALLS[index])
+    return _run(index, *args)
+
+
+bridge._run = _recording_run
+
+
+def mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh):
+    """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
+    shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from torch_splash import _checks, _sharding
+
+    call = _checks.check_call(*xla_in, mask, None, None if ids is None else ids.to(xla_in[0].device), None)
+    sharding = _sharding.check(spec, mesh, call, None)
+    call = sharding.spread_single_kv_head(call)
+    plan = bridge._plan(call, None, "tpu", sharding)
+    program = jax_core.program(plan)
+    shapes = [(plan.batch, h, length, d) for h, length, d in ((plan.num_q_heads, plan.q_len, plan.head_dim),
+                                                             (plan.num_kv_heads, plan.kv_len, plan.head_dim),
+                                                             (plan.num_kv_heads, plan.kv_len, plan.head_dim_v))]
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+    if ids is not None:
+        args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
+    forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
+    out, lse = jax.eval_shape(program.forward, *args)
+    backward = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
+    return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)]
+
+
+ERRORS = {
+    # name: (partition_spec, batch, Hq, Hkv, transport)
+    "unknown-axis": (("batch", None, None, None), 4, 4, 2, None),
+    "batch-does-not-split": (("data", None, None, None), 3, 4, 2, None),
+    "kv-heads-do-not-split": ((None, ("data", "model"), None, None), 2, 8, 2, None),
+    "dlpack-cannot-carry-shards": (("data", None, None, None), 4, 4, 2, "dlpack"),
+}
+
+
+def errors(mesh, device):
+    """The SplashConstraintError message for each bad sharded call (raised before any kernel work)."""
+    for name, (spec, b, hq, hkv, transport) in ERRORS.items():
+        q, k, v = (torch.zeros(b, h, 16, 32, device=device) for h in (hq, hkv, hkv))
+        try:
+            torch_splash.attention(q, k, v, partition_spec=spec, mesh=mesh, transport=transport)
+            message = None
+        except torch_splash.SplashConstraintError as err:
+            message = str(err)
+        print(json.dumps({"error": name, "message": message}), flush=True)
+
+
+def main(names):
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (2, 2), ("data", "model"))
+    device = torch_xla.device()
+    errors(mesh, device)
+    for name in names:
+        spec, hq, hkv, mask, with_ids = CASES[name]
+        g = torch.Generator().manual_seed(0)
+        b, length, d = 4, 200, 32
+        cpu = [torch.randn(b, h, length, d, generator=g) for h in (hq, hkv, hkv)]
+        cotangent = torch.randn(b, hq, length, d, generator=g)
+        ids = (torch.arange(length)[None] >= torch.tensor([[120], [200], [60], [0]])).int() if with_ids else None
+
+        ref_in = [t.clone().requires_grad_() for t in cpu]
+        ref = torch_splash.attention(*ref_in, mask, segment_ids=ids)
+        (ref * cotangent).sum().backward()
+        RAN.clear()
+
+        xla_in = [t.to(device).requires_grad_() for t in cpu]
+        kv_spec = spec if hkv > 1 else (spec[0], None, None, None)
+        for t, s in zip(xla_in, (spec, kv_spec, kv_spec)):
+            if name != "inputs-not-marked":  # otherwise XLA reshards them to partition_spec
+                xs.mark_sharding(t, mesh, s)
+        out = torch_splash.attention(*xla_in, mask, segment_ids=None if ids is None else ids.to(device),
+                                     partition_spec=spec, mesh=mesh)
+        (out * cotangent.to(device)).sum().backward()
+        torch_xla.sync()
+        local = {plan for plan, sharding in RAN if sharding is not None}
+        assert len(local) == 1, local
+        local = local.pop()
+        RAN.clear()
+        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh)
+        print(json.dumps({
+            "case": name,
+            "out": (out.cpu() - ref).abs().max().item(),
+            "grads": [(x.grad.cpu() - r.grad).abs().max().item() for x, r in zip(xla_in, ref_in)],
+            "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
+            "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads],
+            "tpu_custom_calls": tpu_calls,
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CASES))

@@ -1,0 +1,126 @@
+"""torch.compile(fullgraph=True) through torch_splash.attention: the torch.library custom ops, their
+fake implementations and autograd, against eager."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_splash
+from helpers import make_qkv
+from torch_splash.masks import CausalMask, LocalMask
+
+OPS = [torch.ops.torch_splash.forward.default, torch.ops.torch_splash.infer.default,
+       torch.ops.torch_splash.backward.default]
+
+
+class TwoLayers(nn.Module):
+    """Two attention layers, GQA 4 -> 2: causal with segment ids, then a sliding window held as an
+    attribute (masks are built outside the compiled function; see the README)."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.ModuleList(nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim) for _ in range(2))
+        self.window = LocalMask(7)
+        self.block_sizes = torch_splash.BlockSizes(block_q=128, block_kv=128)
+
+    def forward(self, x, segment_ids):
+        b, l, _ = x.shape
+        for i, qkv in enumerate(self.qkv):
+            q, k, v = qkv(x).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, dim=-1)
+            q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            if i == 0:
+                out = torch_splash.attention(q, k, v, "causal", segment_ids=segment_ids)
+            else:
+                out = torch_splash.attention(q, k, v, self.window, block_sizes=self.block_sizes, soft_cap=20.0)
+            x = x + out.transpose(1, 2).reshape(b, l, -1)
+        return x
+
+
+def run(model, x, ids):
+    model.zero_grad()
+    out = model(x, ids)
+    out.square().mean().backward()
+    return out.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_matches_eager(backend):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    x = torch.randn(2, 200, 64)
+    ids = (torch.arange(200) >= torch.tensor([[120], [200]])).int()  # two segments, then one
+    expected_out, expected_grads = run(model, x, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: any graph break raises
+    for _ in range(2):  # the second step reuses the compiled graph
+        out, grads = run(compiled, x, ids)
+        torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=0)
+        for name in expected_grads:
+            torch.testing.assert_close(grads[name], expected_grads[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_graph_holds_the_custom_ops_only():
+    """Dynamo leaves the planning out of the graph; AOTAutograd sees the forward and backward ops."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(graph_module, _):
+            seen.extend(str(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+            return graph_module
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    q, k, v = make_qkv(1, 4, 2, 96, 96, 32, 32, torch.float32)
+    torch._dynamo.reset()
+    out = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True, backend=backend)(q, k, v)
+    out.sum().backward()
+    assert seen.count("torch_splash.forward.default") == 1 and seen.count("torch_splash.backward.default") == 1
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_a_changed_mask_recompiles():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, mask: torch_splash.attention(q, k, v, mask), fullgraph=True)
+    with torch.no_grad():
+        for mask in (CausalMask(0), LocalMask(3), CausalMask(0) & LocalMask(9)):
+            torch.testing.assert_close(fn(q, k, v, mask), torch_splash.attention(q, k, v, mask), atol=1e-6, rtol=0)
+
+
+def test_compiled_inference_matches_eager():
+    q, k, v = (t.detach() for t in make_qkv(2, 4, 1, 50, 70, 32, 16, torch.float32))
+    mask = CausalMask(20)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, mask), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), torch_splash.attention(q, k, v, mask), atol=1e-6, rtol=0)
+
+
+def test_a_mask_built_inside_the_compiled_function_is_dynamos_documented_limit():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 32, 32, torch.float32)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, CausalMask(2)), fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Construct the object _outside_"):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name())
+def test_opcheck(op):
+    """torch.library.opcheck: schema, fake implementation vs real outputs, autograd registration."""
+    from torch_splash import bridge
+
+    q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, 56, 32, 32, torch.float32))
+    ids = (torch.ones(2, 40, dtype=torch.int32), (torch.arange(56) < 50).int().expand(2, 56).contiguous())
+    plan = bridge._call_index(bridge.jax_core.plan(
+        batch=2, num_q_heads=4, num_kv_heads=2, q_len=40, kv_len=56, head_dim=32, head_dim_v=32, dtype="float32",
+        mask=CausalMask(16), scale=0.2, soft_cap=None, has_segment_ids=True, block_sizes=None, platform="cpu"))
+    if op is OPS[0]:
+        args = (q, k, v, *ids, plan, "dlpack", "")
+    elif op is OPS[1]:
+        args = (q, k, v, *ids, plan, "dlpack")
+    else:
+        out, lse = OPS[0](q, k, v, *ids, plan, "dlpack", "")
+        args = (q, k, v, *ids, out, lse, torch.randn_like(out), plan, "")
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
