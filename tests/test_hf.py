@@ -198,3 +198,13 @@ def test_finetune_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     diff = float(re.search(r"largest loss difference over 3 steps: (\S+)", done.stdout).group(1))
     assert diff < 1e-4 and plot.stat().st_size > 0
+
+
+def test_torch_compile_of_a_model_matches_eager():
+    """torch.compile (graph breaks allowed: the mask function reads HF's closures in Python)."""
+    model = make_model("llama").eval()
+    ids, mask, _, valid = batch("left")
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=0)
