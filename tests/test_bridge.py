@@ -137,3 +137,20 @@ def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for a, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_call_registry_is_bounded_and_a_pending_backward_survives_eviction(monkeypatch):
+    from torch_splash import bridge
+
+    monkeypatch.setattr(bridge, "_MAX_CALLS", 2)
+    q, k, v = make_qkv(1, 2, 2, 24, 24, 32, 32, torch.float32)
+    out = torch_splash.attention(q, k, v, "causal")  # its backward is still to come
+    for length in (8, 9, 10):  # three other configurations evict its registry entry
+        with torch.no_grad():
+            torch_splash.attention(q[:, :, :length], k, v)
+    assert len(bridge._CALLS) == len(bridge._CALL_INDEX) <= 2
+    out.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()
+    for got, expected in zip((q, k, v), ref):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-4, rtol=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import jax_core
@@ -16,22 +18,40 @@ from . import masks as _masks
 # objects); each op looks its program up in jax_core's cache. `chosen` is the transport
 # attention() picked for these tensors; `requested` is the caller's request ("" for automatic),
 # decided afresh for the backward's tensors.
-_CALLS: list[tuple[jax_core.Plan, _sharding.Sharding | None]] = []
+_CALLS: dict[int, tuple[jax_core.Plan, _sharding.Sharding | None]] = {}  # least recently used first
 _CALL_INDEX: dict[tuple, int] = {}
+_MAX_CALLS = 1024  # plans can hold dense masks: keep the registry bounded, like jax_core's caches
+_NEXT_INDEX = itertools.count()
 
 
 def _call_index(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None) -> int:
     key = (plan, sharding)
-    if key not in _CALL_INDEX:
-        _CALL_INDEX[key] = len(_CALLS)
-        _CALLS.append(key)
-    return _CALL_INDEX[key]
+    index = _CALL_INDEX.get(key)
+    if index is not None:
+        _CALLS[index] = _CALLS.pop(index)  # now the most recently used
+        return index
+    while len(_CALLS) >= _MAX_CALLS:
+        oldest = next(iter(_CALLS))
+        del _CALL_INDEX[_CALLS.pop(oldest)]
+    index = _CALL_INDEX[key] = next(_NEXT_INDEX)
+    _CALLS[index] = key
+    return index
+
+
+def _entry(index: int) -> tuple[jax_core.Plan, _sharding.Sharding | None]:
+    try:
+        return _CALLS[index]
+    except KeyError:
+        raise RuntimeError(
+            f"torch_splash: attention call #{index} is no longer registered: more than {_MAX_CALLS} other "
+            "attention configurations were used since it was traced. Call torch._dynamo.reset() to recompile."
+        ) from None
 
 
 def _run(index: int, kernel: str, inputs: list, transport: str, out_roles: tuple) -> list[torch.Tensor]:
     """The program's `kernel` on `inputs`, (role, tensor) pairs (the tensor None for absent segment
     ids); roles (_sharding.Sharding.spec) say how each tensor is sharded under SPMD."""
-    plan, sharding = _CALLS[index]
+    plan, sharding = _entry(index)
     fn = getattr(jax_core.program(plan), kernel)
     roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
     if sharding is None:
@@ -53,7 +73,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Ten
 
 @_forward.register_fake
 def _(q, k, v, q_ids, kv_ids, call, chosen, requested):
-    lse_len = _CALLS[call][0].q_len_padded
+    lse_len = _entry(call)[0].q_len_padded
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
 
@@ -88,7 +108,7 @@ def _(q, k, v, q_ids, kv_ids, out, lse, d_out, call, requested):
 
 def _save_residuals(ctx, inputs, output):
     q, k, v, q_ids, kv_ids, call, _, requested = inputs
-    ctx.call, ctx.requested = call, requested
+    ctx.entry, ctx.requested = _entry(call), requested  # the entry, not the index: it may be evicted
     ctx.save_for_backward(q, k, v, q_ids, kv_ids, *output)
     ctx.mark_non_differentiable(output[1])
 
@@ -100,7 +120,7 @@ def _differentiate(ctx, d_out, _):
             "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
         )
     q, k, v, q_ids, kv_ids, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, ctx.call, ctx.requested)
+    dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, _call_index(*ctx.entry), ctx.requested)
     return dq, dk, dv, None, None, None, None, None
 
 
