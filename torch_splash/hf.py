@@ -85,8 +85,9 @@ def _read(mask_function):
                 # remapped relative mask equals the plain one wherever the packed-ids mask allows.
                 remapped, part = True, _cells(part)["mask_function"]
             l, r, p = _read(part)
-            left, right = _min(left, l), _min(right, r)
-            packed = p if packed is None else packed
+            if p is not None and packed is not None:
+                raise _Unrecognised  # two packings: not one set of segment ids
+            left, right, packed = _min(left, l), _min(right, r), p if packed is None else packed
         if remapped and packed is None:
             raise _Unrecognised
         return left, right, packed
