@@ -1,13 +1,14 @@
 """The splash programs the bridge runs: one jitted forward and one jitted backward per plan.
 
-forward(q, k, v[, q_ids, kv_ids]) -> (out, logsumexp)
+forward(q, k, v[, q_ids, kv_ids][, sinks]) -> (out, logsumexp)
     scales k (the kernel applies no softmax scale), pads to the plan's lengths and runs the
-    Pallas forward once, under `jax.vjp`.
-infer(q, k, v[, q_ids, kv_ids]) -> out
+    Pallas forward once, under `jax.vjp`. sinks (Hq,): one logit per query head that every row
+    also normalises over (gpt-oss), when the plan has them.
+infer(q, k, v[, q_ids, kv_ids][, sinks]) -> out
     the same without gradients: where no row can lack a visible key (no segment ids, a mask
     that keeps every row non-empty) it runs the forward kernel without residuals, which in
     interpret mode is about 10% faster than the one that also writes logsumexp.
-backward(q, k, v[, q_ids, kv_ids], out, logsumexp, d_out) -> (dq, dk, dv)
+backward(q, k, v[, q_ids, kv_ids][, sinks], out, logsumexp, d_out) -> (dq, dk, dv[, dsinks])
     rebuilds the vjp function and runs only the dq and dkv kernels.
 
 The vjp function's residuals are the kernel's inputs, its output, its logsumexp and the block
@@ -49,7 +50,7 @@ class Program:
         self.no_pairs = not _has_allowed_pair(plan)
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
-        self.kernel = None if self.no_pairs else jax.vmap(_build_kernel(plan))
+        self.kernel = None if self.no_pairs else _build_kernel(plan)
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
@@ -75,6 +76,16 @@ class Program:
         v = self._pad(v, v.ndim - 2, p.kv_len_padded)
         return q, k, v
 
+    def _attend(self, q, k, v, segment_ids, sinks=None):
+        # vmapped over batch; sinks, closed over, are shared by every batch element
+        return jax.vmap(lambda q, k, v, ids: self.kernel(q, k, v, ids, sinks))(q, k, v, segment_ids)
+
+    def _split(self, args):
+        """(segment ids, sinks) from the arguments after q, k, v."""
+        if self.plan.has_sinks:
+            return args[:-1], args[-1]
+        return args, None
+
     def _segment_ids(self, ids):
         if not ids:
             return None
@@ -84,14 +95,15 @@ class Program:
             kv=self._pad(kv_ids.astype(jnp.int32), 1, self.plan.kv_len_padded),
         )
 
-    def _vjp(self, q, k, v, ids):
+    def _vjp(self, q, k, v, ids, sinks):
         """The kernel's output, logsumexp, vjp leaves and tree, and the kernel inputs."""
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
-        out, vjp = jax.vjp(lambda q, k, v: self.kernel(q, k, v, segment_ids), q, k, v)
+        primals = (q, k, v) if sinks is None else (q, k, v, sinks)
+        out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(q, k, v, segment_ids, *s), *primals)
         leaves, tree = jax.tree.flatten(vjp)
         (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
-        return out, lse, leaves, tree, [q, k, v, *(segment_ids or ())]
+        return out, lse, leaves, tree, [*primals, *(segment_ids or ())]
 
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
@@ -104,11 +116,11 @@ class Program:
         out = jnp.zeros(q.shape[:2] + (p.q_len, v.shape[-1]), q.dtype)
         return out, jnp.full(q.shape[:2] + (p.q_len_padded,), -jnp.inf, jnp.float32)
 
-    def _forward(self, q, k, v, *ids):
+    def _forward(self, q, k, v, *rest):
         TRACES["forward"] += 1
         if self.no_pairs:
             return self._nothing_visible(q, v)
-        out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids)
+        out, lse, leaves, tree, inputs = self._vjp(q, k, v, *self._split(rest))
         # Where each residual comes from in the backward: a kernel input, the output, the
         # logsumexp, or a constant block table (concrete, not traced).
         self._sources = [
@@ -124,24 +136,27 @@ class Program:
         self._residual_tree = tree
         return self._finish(out, lse), lse
 
-    def _infer(self, q, k, v, *ids):
+    def _infer(self, q, k, v, *rest):
         TRACES["infer"] += 1
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
+        ids, sinks = self._split(rest)
         if self.rows_may_be_empty:
-            out, lse, *_ = self._vjp(q, k, v, ids)
+            out, lse, *_ = self._vjp(q, k, v, ids, sinks)
             return self._finish(out, lse)
-        return self.kernel(*self._kernel_inputs(q, k, v))[:, :, : self.plan.q_len]
+        return self._attend(*self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
 
     def _backward(self, q, k, v, *rest):
         TRACES["backward"] += 1
         p = self.plan
-        *ids, out, lse, d_out = rest
+        *args, out, lse, d_out = rest
+        ids, sinks = self._split(args)
         if self.no_pairs:
-            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+            zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+            return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
-        inputs = [q, k, v, *(segment_ids or ())]
+        inputs = [q, k, v, *(() if sinks is None else (sinks,)), *(segment_ids or ())]
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
@@ -153,7 +168,7 @@ class Program:
         if self.rows_may_be_empty:
             row_has_keys = (lse > _EMPTY_ROW_LSE)[..., None]
             d_out = jnp.where(row_has_keys, d_out, 0).astype(d_out.dtype)
-        dq, dk, dv = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
+        dq, dk, dv, *d_sinks = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
         if self.rows_may_be_empty:
             dq = jnp.where(row_has_keys, dq, 0).astype(dq.dtype)
         dq = dq[:, :, : p.q_len]
@@ -161,7 +176,7 @@ class Program:
         dv = dv[..., : p.kv_len, :]
         if p.is_mqa:
             dk, dv = dk[:, None], dv[:, None]
-        return dq, dk, dv
+        return (dq, dk, dv, *d_sinks)
 
 
 def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:

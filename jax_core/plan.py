@@ -80,6 +80,7 @@ class Plan:
     q_len_padded: int
     kv_len_padded: int
     blocks: tuple  # sorted (field, value) pairs for the JAX BlockSizes
+    has_sinks: bool = False  # attention sinks: one learned logit per query head (gpt-oss)
 
     @property
     def is_mqa(self) -> bool:
@@ -213,6 +214,7 @@ def plan(
     has_segment_ids: bool = False,
     block_sizes: BlockSizes | None = None,
     platform: str = "cpu",
+    has_sinks: bool = False,
 ) -> Plan:
     """Plan one attention call. Shapes must already be checked by the caller (the torch side)."""
     if block_sizes is None:
@@ -243,4 +245,5 @@ def plan(
         q_len_padded=q_pad,
         kv_len_padded=kv_pad,
         blocks=blocks,
+        has_sinks=has_sinks,
     )

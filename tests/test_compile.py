@@ -117,10 +117,10 @@ def test_opcheck(op):
         batch=2, num_q_heads=4, num_kv_heads=2, q_len=40, kv_len=56, head_dim=32, head_dim_v=32, dtype="float32",
         mask=CausalMask(16), scale=0.2, soft_cap=None, has_segment_ids=True, block_sizes=None, platform="cpu"))
     if op is OPS[0]:
-        args = (q, k, v, *ids, plan, "dlpack", "")
+        args = (q, k, v, *ids, None, plan, "dlpack", "")
     elif op is OPS[1]:
-        args = (q, k, v, *ids, plan, "dlpack")
+        args = (q, k, v, *ids, None, plan, "dlpack")
     else:
-        out, lse = OPS[0](q, k, v, *ids, plan, "dlpack", "")
-        args = (q, k, v, *ids, out, lse, torch.randn_like(out), plan, "")
+        out, lse = OPS[0](q, k, v, *ids, None, plan, "dlpack", "")
+        args = (q, k, v, *ids, None, out, lse, torch.randn_like(out), plan, "")
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

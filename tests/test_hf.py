@@ -1,5 +1,5 @@
 """attn_implementation="splash" in tiny HF models built from configs (no download), against "sdpa"
-(or "eager" for Gemma 2, which transformers runs with eager because of its soft cap)."""
+(or "eager" for Gemma 2 and gpt-oss, which transformers runs with eager: soft cap, sinks)."""
 
 import pytest
 import torch
@@ -23,14 +23,22 @@ FAMILIES = {
                                               sliding_window=5, max_window_layers=1),
     "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
                                                 final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+    # attention sinks (s_aux), alternating sliding layers, a mixture of experts
+    "gpt_oss": lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 64}, head_dim=16, sliding_window=5,
+                                                 num_local_experts=4, num_experts_per_tok=2),
 }
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager"}
+# transformers runs Gemma 2 (soft cap) and gpt-oss (sinks) with "eager"
+BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
 L = 12
 
 
 def make_model(family):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="splash")
+    with torch.no_grad():  # gpt-oss initialises its sinks to 0; make them matter
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()
     return model.float()
 
 
@@ -176,12 +184,6 @@ def test_training_with_attention_dropout_is_refused():
     with pytest.raises(torch_splash.SplashConstraintError, match="attention_dropout"):
         model(torch.randint(0, 128, (1, 5)))
     model.eval()(torch.randint(0, 128, (1, 5)))  # dropout is 0 at eval: fine
-
-
-def test_attention_sinks_are_refused_clearly():
-    q = k = v = torch.zeros(1, 2, 4, 16)
-    with pytest.raises(torch_splash.SplashConstraintError, match="sinks"):
-        hf.splash_attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
 
 
 def test_finetune_example_runs(tmp_path):

@@ -27,6 +27,7 @@ class Call:
     scale: float
     soft_cap: float | None
     unbatched: bool
+    sinks: torch.Tensor | None = None
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -137,7 +138,22 @@ def _check_number(name: str, value, positive: bool) -> float | None:
     return float(value)
 
 
-def check_call(q, k, v, mask, scale, segment_ids, soft_cap) -> Call:
+def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}.")
+    if not sinks.dtype.is_floating_point:
+        raise SplashDtypeError(f"sinks has dtype {sinks.dtype}: sinks are logits (float32 or bfloat16).")
+    if tuple(sinks.shape) != (q.shape[-3],):
+        raise SplashConstraintError(
+            f"sinks has shape {_shape(sinks)} but must be ({q.shape[-3]},): one logit per query head.")
+    if sinks.device != q.device:
+        raise SplashConstraintError(f"sinks is on {sinks.device} but q is on {q.device}: move it to q's device.")
+    return sinks
+
+
+def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
     unbatched = _check_tensors(q, k, v)
     if unbatched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -147,6 +163,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap) -> Call:
     if ids is not None and unbatched:
         ids = (ids[0].unsqueeze(0), ids[1].unsqueeze(0))
     scale = _check_number("scale", scale, positive=False)
+    sinks = _check_sinks(sinks, q)
     return Call(
         q=q,
         k=k,
@@ -156,6 +173,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap) -> Call:
         scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
         soft_cap=_check_number("soft_cap", soft_cap, positive=True),
         unbatched=unbatched,
+        sinks=sinks,
     )
 
 

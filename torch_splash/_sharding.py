@@ -91,6 +91,10 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
         return None
     spec = tuple(tuple(e) if isinstance(e, list) else e for e in partition_spec)  # hashable
+    if call.sinks is not None:
+        raise SplashConstraintError(
+            "sinks= together with partition_spec= is not supported yet: the sinks' gradient would need "
+            "a sum over the batch shards. Call without partition_spec (or without sinks).")
     if call.unbatched or len(spec) != 4:
         raise SplashConstraintError(
             f"partition_spec={partition_spec!r}: give one entry per dimension of batched 4-D q, k, v "

@@ -59,57 +59,62 @@ def _run(index: int, kernel: str, inputs: list, transport: str, out_roles: tuple
     return sharding.run(fn, tensors, roles, out_roles)
 
 
-def _inputs(q, k, v, q_ids, kv_ids) -> list:
-    return [("q", q), ("kv", k), ("kv", v), ("ids", q_ids), ("ids", kv_ids)]
+def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
+    return [("q", q), ("kv", k), ("kv", v), ("ids", q_ids), ("ids", kv_ids), ("sinks", sinks)]
 
 
 @torch.library.custom_op("torch_splash::forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-             kv_ids: torch.Tensor | None, call: int, chosen: str, requested: str) -> tuple[torch.Tensor, torch.Tensor]:
+             kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, call: int, chosen: str,
+             requested: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and logsumexp (the one residual torch does not already hold)."""
-    out, lse = _run(call, "forward", _inputs(q, k, v, q_ids, kv_ids), chosen, ("q", "lse"))
+    out, lse = _run(call, "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), chosen, ("q", "lse"))
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, q_ids, kv_ids, call, chosen, requested):
+def _(q, k, v, q_ids, kv_ids, sinks, call, chosen, requested):
     lse_len = _entry(call)[0].q_len_padded
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
 
 @torch.library.custom_op("torch_splash::infer", mutates_args=())
 def _infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-           kv_ids: torch.Tensor | None, call: int, chosen: str) -> torch.Tensor:
+           kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, call: int, chosen: str) -> torch.Tensor:
     """The forward without residuals, where no gradient is needed."""
-    (out,) = _run(call, "infer", _inputs(q, k, v, q_ids, kv_ids), chosen, ("q",))
+    (out,) = _run(call, "infer", _inputs(q, k, v, q_ids, kv_ids, sinks), chosen, ("q",))
     return out
 
 
 @_infer.register_fake
-def _(q, k, v, q_ids, kv_ids, call, chosen):
+def _(q, k, v, q_ids, kv_ids, sinks, call, chosen):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 @torch.library.custom_op("torch_splash::backward", mutates_args=())
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-              kv_ids: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, call: int,
-              requested: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv from the dq/dkv kernels alone, on the forward's residuals."""
-    inputs = _inputs(q, k, v, q_ids, kv_ids) + [("q", out), ("lse", lse), ("q", d_out)]
+              kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+              d_out: torch.Tensor, call: int, requested: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
+    forward's residuals."""
+    inputs = _inputs(q, k, v, q_ids, kv_ids, sinks) + [("q", out), ("lse", lse), ("q", d_out)]
     transport = _transport.choose([t for _, t in inputs if t is not None], requested or None)
-    dq, dk, dv = _run(call, "backward", inputs, transport, ("q", "kv", "kv"))
-    return dq, dk, dv
+    grads = _run(call, "backward", inputs, transport, ("q", "kv", "kv", "sinks"))
+    dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
+    return dq, dk, dv, d_sinks
 
 
 @_backward.register_fake
-def _(q, k, v, q_ids, kv_ids, out, lse, d_out, call, requested):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
+def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, call, requested):
+    d_sinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks  # contiguous, as the real ones
 
 
 def _save_residuals(ctx, inputs, output):
-    q, k, v, q_ids, kv_ids, call, _, requested = inputs
+    q, k, v, q_ids, kv_ids, sinks, call, _, requested = inputs
     ctx.entry, ctx.requested = _entry(call), requested  # the entry, not the index: it may be evicted
-    ctx.save_for_backward(q, k, v, q_ids, kv_ids, *output)
+    ctx.save_for_backward(q, k, v, q_ids, kv_ids, sinks, *output)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -119,9 +124,10 @@ def _differentiate(ctx, d_out, _):
             "torch_splash.attention supports one backward pass, not double backward "
             "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
         )
-    q, k, v, q_ids, kv_ids, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, _call_index(*ctx.entry), ctx.requested)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, q_ids, kv_ids, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, d_sinks = _backward(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, _call_index(*ctx.entry),
+                                    ctx.requested)
+    return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None, None
 
 
 _forward.register_autograd(_differentiate, setup_context=_save_residuals)
@@ -153,6 +159,7 @@ def _plan(call: _checks.Call, block_sizes, platform: str, sharding: _sharding.Sh
         has_segment_ids=call.segment_ids is not None,
         block_sizes=block_sizes,
         platform=platform,
+        has_sinks=call.sinks is not None,
     )
 
 
@@ -172,6 +179,7 @@ def attention(
     transport: str | None = None,
     partition_spec: tuple | None = None,
     mesh=None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
 
@@ -189,11 +197,13 @@ def attention(
     partition_spec, mesh: under torch_xla SPMD, how q, k, v are sharded over a mesh (default: the
     global mesh), e.g. ("data", "model", None, None): batch and heads only; each device runs the
     kernels on its own shard (see torch_splash/_sharding.py).
+    sinks: (Hq,) attention sinks (gpt-oss): one learned logit per query head that every row also
+    normalises over, as if a key with that logit and a zero value were always visible.
 
     Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
     """
-    call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap)
+    call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport)
     if sharding is not None:
         call = sharding.spread_single_kv_head(call)
@@ -201,8 +211,9 @@ def attention(
     chosen = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
     plan = _plan(call, block_sizes, _transport.platform_of(call.q.device), sharding)
     index, q_ids, kv_ids = _call_index(plan, sharding), *(call.segment_ids or (None, None))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors[:3]):
-        out, _ = _forward(call.q, call.k, call.v, q_ids, kv_ids, index, chosen, transport or "")
+    differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
+        out, _ = _forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, index, chosen, transport or "")
     else:  # no autograd graph to build: the cheaper forward, and no residuals
-        out = _infer(call.q, call.k, call.v, q_ids, kv_ids, index, chosen)
+        out = _infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, index, chosen)
     return out.squeeze(0) if call.unbatched else out

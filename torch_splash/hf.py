@@ -131,18 +131,13 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
 def splash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                              softcap=None, s_aux=None, **kwargs):
     """The "splash" entry of AttentionInterface: query (B, Hq, Lq, D), key/value (B, Hkv, Lkv, D),
-    KV heads not repeated; returns ((B, Lq, Hq, D) contiguous, None)."""
+    KV heads not repeated, s_aux (Hq,) attention sinks; returns ((B, Lq, Hq, D) contiguous, None)."""
     if dropout:
         raise SplashConstraintError(
             f"{type(module).__name__} has attention dropout {dropout} in training: splash attention has no "
             "dropout. Set the config's attention_dropout to 0.0, or train with attn_implementation='sdpa'."
         )
-    if s_aux is not None:
-        raise SplashConstraintError(
-            f"{type(module).__name__} uses attention sinks (s_aux): the pinned JAX splash kernel (jax 0.7.1) "
-            "cannot batch them. Use attn_implementation='eager' or 'sdpa' for this model."
-        )
-    options = dict(scale=scaling, soft_cap=softcap)
+    options = dict(scale=scaling, soft_cap=softcap, sinks=s_aux)  # s_aux: gpt-oss's attention sinks
     if isinstance(attention_mask, SplashMask):
         out = attention(query, key, value, attention_mask.mask, segment_ids=attention_mask.segment_ids, **options)
     elif isinstance(attention_mask, torch.Tensor):  # a mask we did not recognise, or the user's own 4-D mask
