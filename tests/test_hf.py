@@ -7,6 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import masking_utils as mu  # noqa: E402
 
+import jax_core  # noqa: E402
 import torch_splash  # noqa: E402
 import torch_splash.hf as hf  # noqa: E402
 
@@ -112,18 +113,42 @@ def test_patch_switches_a_loaded_model():
 
 # The mask function: structured masks, segment ids, nothing (Lq, Lkv)-sized.
 
-def test_mask_function_causal_prefill_and_decode_offsets():
+def test_mask_function_causal_prefill_and_chunked_prefill_offsets():
     assert hf.splash_mask(2, 7, 7) == hf.SplashMask(torch_splash.masks.CausalMask(0))
-    # decoding: 1 query at position 9 against 10 cached keys -> bottom-right causal
-    assert hf.splash_mask(2, 1, 10, q_offset=9) == hf.SplashMask(torch_splash.masks.CausalMask(9))
+    # 3 more queries at positions 9..11 against 12 cached keys -> bottom-right causal
+    assert hf.splash_mask(2, 3, 12, q_offset=9) == hf.SplashMask(torch_splash.masks.CausalMask(9))
 
 
 def test_mask_function_sliding_window_is_a_local_mask():
     got = hf.splash_mask(1, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3))
     assert got == hf.SplashMask(torch_splash.masks.LocalMask(2, 0, 0))
-    # a sliding cache that kept keys from position 4 on, queried at position 8
-    got = hf.splash_mask(1, 1, 3, q_offset=8, kv_offset=4, mask_function=mu.sliding_window_causal_mask_function(3))
+    # a sliding cache that kept keys from position 4 on, queried at positions 8 and 9
+    got = hf.splash_mask(1, 2, 6, q_offset=8, kv_offset=4, mask_function=mu.sliding_window_causal_mask_function(3))
     assert got.mask == torch_splash.masks.LocalMask(2, 0, 4)
+
+
+def test_decode_steps_are_kv_segment_ids_over_a_full_mask():
+    """Lq = 1: the visible keys become kv ids and the keys pad to 128, so the compiled program only
+    changes every 128 steps."""
+    got = hf.splash_mask(2, 1, 10, q_offset=9)
+    assert got.mask == torch_splash.masks.FullMask() and got.pad_keys_to == 128
+    assert torch.equal(got.segment_ids[1], torch.ones(2, 10, dtype=torch.int32))
+    # sliding window 3, cache keeping positions 4..9, query at 9: sees positions 7, 8, 9
+    got = hf.splash_mask(1, 1, 6, q_offset=9, kv_offset=4, mask_function=mu.sliding_window_causal_mask_function(3))
+    assert got.segment_ids[1].tolist() == [[0, 0, 0, 1, 1, 1]]
+    # left padding: the first two keys are padding
+    padding = torch.tensor([[0, 0, 1, 1, 1]], dtype=torch.bool)
+    got = hf.splash_mask(1, 1, 5, q_offset=4, attention_mask=padding)
+    assert got.segment_ids[0].tolist() == [[1]] and got.segment_ids[1].tolist() == [[0, 0, 1, 1, 1]]
+
+
+def test_generation_compiles_once_per_128_cached_tokens():
+    model = make_model("mistral").eval()
+    ids, mask, _, _ = batch("left")
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # compile prefill and decode
+    before = sum(jax_core.TRACES.values())
+    model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)  # 12 + 30 tokens < 128
+    assert sum(jax_core.TRACES.values()) == before
 
 
 def _dense(splash_mask, q_len, kv_len):

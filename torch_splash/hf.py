@@ -37,6 +37,7 @@ class SplashMask:
 
     mask: _masks.Mask
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    pad_keys_to: int | None = None  # decoding: keys padded to this length (kv ids 0 there)
 
 
 class _Unrecognised(Exception):
@@ -111,21 +112,44 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         kwargs.pop("allow_is_causal_skip", None)
         return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                             allow_is_causal_skip=False, **kwargs)
-    mask = _structured(left, right, q_offset - kv_offset)
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if padding is not None and bool(padding.all()):
-        padding = None
-    if packed is None and padding is None:
+    kv_valid = q_valid = None
+    if padding is not None and not bool(padding.all()):
+        kv_valid = padding[:, kv_offset:kv_offset + kv_length]
+        q_valid = mu.prepare_padding_mask(attention_mask, q_offset + q_length, 0)[:, q_offset:q_offset + q_length]
+    if q_length == 1 and packed is None:
+        return _decode_mask(batch_size, kv_length, q_offset - kv_offset, left, right, kv_valid, q_valid,
+                            kwargs.get("device", "cpu"))
+    mask = _structured(left, right, q_offset - kv_offset)
+    if packed is None and kv_valid is None:
         return SplashMask(mask)
     q_ids = packed if packed is not None else torch.zeros(batch_size, q_length, dtype=torch.int32)
     kv_ids = packed if packed is not None else torch.zeros(batch_size, kv_length, dtype=torch.int32)
-    if padding is not None:
-        device = padding.device
-        q_valid = mu.prepare_padding_mask(attention_mask, q_offset + q_length, 0)[:, q_offset:q_offset + q_length]
+    if kv_valid is not None:
         # Padded keys get id 0, which no query has; padded queries get -1, which no key has: their rows are 0.
-        kv_ids = torch.where(padding[:, kv_offset:kv_offset + kv_length], kv_ids.to(device) + 1, 0)
-        q_ids = torch.where(q_valid, q_ids.to(device) + 1, -1)
+        kv_ids = torch.where(kv_valid, kv_ids.to(kv_valid.device) + 1, 0)
+        q_ids = torch.where(q_valid, q_ids.to(q_valid.device) + 1, -1)
     return SplashMask(mask, (q_ids.to(torch.int32), kv_ids.to(torch.int32)))
+
+
+def _decode_mask(batch_size, kv_length, offset, left, right, kv_valid, q_valid, device) -> SplashMask:
+    """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right];
+    it and the padding become kv segment ids over a full mask, and the keys are padded to the next
+    multiple of 128 (the kernel pads there anyway). So every decode step until the cache crosses
+    that multiple has the same shapes and mask and reuses one compiled program; with the mask's
+    offset and the key length as compile-time constants, each step would compile its own."""
+    j = torch.arange(kv_length, device=device)
+    visible = torch.ones(kv_length, dtype=torch.bool, device=device)
+    if left is not None:
+        visible &= j >= offset - left
+    if right is not None:
+        visible &= j <= offset + right
+    kv_ids = visible.expand(batch_size, kv_length) if kv_valid is None else visible & kv_valid
+    q_ids = torch.ones(batch_size, 1, dtype=torch.int32, device=device)
+    if q_valid is not None:
+        q_ids = torch.where(q_valid, q_ids, -1)  # a padded query sees no key: its row is 0
+    return SplashMask(_masks.FullMask(), (q_ids.to(torch.int32), kv_ids.to(torch.int32)),
+                      pad_keys_to=-(-kv_length // 128) * 128)
 
 
 def splash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -139,7 +163,12 @@ def splash_attention_forward(module, query, key, value, attention_mask, dropout=
         )
     options = dict(scale=scaling, soft_cap=softcap, sinks=s_aux)  # s_aux: gpt-oss's attention sinks
     if isinstance(attention_mask, SplashMask):
-        out = attention(query, key, value, attention_mask.mask, segment_ids=attention_mask.segment_ids, **options)
+        segment_ids = attention_mask.segment_ids
+        if attention_mask.pad_keys_to is not None:
+            extra = attention_mask.pad_keys_to - key.shape[2]
+            key, value = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (key, value))
+            segment_ids = (segment_ids[0], torch.nn.functional.pad(segment_ids[1], (0, extra)))
+        out = attention(query, key, value, attention_mask.mask, segment_ids=segment_ids, **options)
     elif isinstance(attention_mask, torch.Tensor):  # a mask we did not recognise, or the user's own 4-D mask
         out = masked_attention(query, key, value, attention_mask, **options)
     else:  # no mask function ran (e.g. a paged cache): SDPA's rule, as in transformers' sdpa_attention
