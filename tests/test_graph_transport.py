@@ -88,6 +88,7 @@ class TinyModel(nn.Module):
 
 def _train(attn, device, steps=4):
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
     torch.manual_seed(0)
     model = TinyModel(attn).to(device)
@@ -101,6 +102,9 @@ def _train(attn, device, steps=4):
         loss.backward()
         opt.step()
         torch_xla.sync()
+        # sync() executes asynchronously: wait until it has run, or its count can land in the next
+        # step (seen on a loaded machine: [0, 2, 1, 1])
+        xm.wait_device_ops()
         losses.append(loss.item())
         executions.append(_metric_count("ExecuteTime") - before_exec)
         compiles.append(_metric_count("CompileTime") - before_compile)
