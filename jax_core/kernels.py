@@ -86,6 +86,11 @@ class Program:
             return args[:-1], args[-1]
         return args, None
 
+    @staticmethod
+    def _residual_sources(q, k, v, sinks, segment_ids) -> list:
+        """The kernel inputs a vjp residual may be, in the order `_sources` indexes them."""
+        return [q, k, v, *(() if sinks is None else (sinks,)), *(segment_ids or ())]
+
     def _segment_ids(self, ids):
         if not ids:
             return None
@@ -103,7 +108,7 @@ class Program:
         out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(q, k, v, segment_ids, *s), *primals)
         leaves, tree = jax.tree.flatten(vjp)
         (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
-        return out, lse, leaves, tree, [*primals, *(segment_ids or ())]
+        return out, lse, leaves, tree, self._residual_sources(q, k, v, sinks, segment_ids)
 
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
@@ -156,7 +161,7 @@ class Program:
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
-        inputs = [q, k, v, *(() if sinks is None else (sinks,)), *(segment_ids or ())]
+        inputs = self._residual_sources(q, k, v, sinks, segment_ids)
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
