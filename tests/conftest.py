@@ -40,18 +40,23 @@ def dense_mask(mask, q_len, kv_len, segment_ids=None):
     return allowed
 
 
-def reference(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None):
-    """SDPA in float32 on the same (dtype-rounded) inputs; a plain softmax when soft-capped."""
+def reference(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None, sinks=None):
+    """SDPA in float32 on the same (dtype-rounded) inputs; a plain softmax when soft-capped or with
+    attention sinks (an extra, value-less key per head whose logit is the sink)."""
     qf, kf, vf = (t.float() for t in (q, k, v))
     m = dense_mask(mask, q.shape[-2], k.shape[-2], segment_ids)
     if q.dim() == 3:
         m = m[0]
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     kf, vf = kf.repeat_interleave(group, -3), vf.repeat_interleave(group, -3)
     logits = (qf @ kf.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    logits = soft_cap * torch.tanh(logits / soft_cap)
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
     logits = logits.masked_fill(~m, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1] @ vf
     probs = torch.softmax(logits, -1).nan_to_num(0.0)  # rows with no visible key give 0
     return probs @ vf

@@ -9,20 +9,9 @@ import torch
 
 import jax_core
 import torch_splash
-from conftest import dense_mask
+from conftest import reference
 from helpers import TOL, make_qkv
 from torch_splash.masks import CausalMask, LocalMask
-
-
-def reference(q, k, v, sinks, mask=None, segment_ids=None, scale=None):
-    qf, kf, vf, sf = (t.float() for t in (q, k, v, sinks))
-    group = q.shape[1] // k.shape[1]
-    kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
-    logits = qf @ kf.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
-    logits = logits.masked_fill(~dense_mask(mask, q.shape[2], k.shape[2], segment_ids), float("-inf"))
-    sink = sf.view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
-    probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
-    return probs @ vf
 
 
 CASES = [
@@ -46,7 +35,7 @@ def test_sinks_match_the_reference(case, dtype):
     got = [out.detach()] + [t.grad.clone() for t in (q, k, v, sinks)]
     for t in (q, k, v, sinks):
         t.grad = None
-    ref = reference(q, k, v, sinks, "causal" if mask == "causal" else mask, ids)
+    ref = reference(q, k, v, mask, segment_ids=ids, sinks=sinks)
     (ref * cotangent).sum().backward()
     expected = [ref.detach()] + [t.grad for t in (q, k, v, sinks)]
     (atol_out, rtol_out), (atol_grad, rtol_grad) = TOL[dtype]["out"], TOL[dtype]["grad"]
@@ -89,6 +78,6 @@ def test_sinks_trace_under_torch_compile():
     out = torch.compile(lambda q, k, v, s: torch_splash.attention(q, k, v, "causal", sinks=s), fullgraph=True)(
         q, k, v, sinks)
     out.sum().backward()
-    expected = reference(q, k, v, sinks, "causal")
+    expected = reference(q, k, v, "causal", sinks=sinks)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
     assert sinks.grad is not None and sinks.grad.shape == (4,)
