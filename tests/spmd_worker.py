@@ -18,8 +18,6 @@ import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-import jax.export  # noqa: E402
-
 import jax_core  # noqa: E402
 import torch_splash  # noqa: E402
 from torch_splash import bridge  # noqa: E402
@@ -51,6 +49,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh):
     """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
     shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
     import jax
+    import jax.export
     import jax.numpy as jnp
 
     from torch_splash import _checks, _sharding
