@@ -1,9 +1,11 @@
-"""DLPack capsules to JAX arrays on the CPU, zero-copy, at the cost the per-call budget allows.
+"""How JAX programs reach torch: DLPack capsules to JAX arrays on the CPU (zero-copy), or the
+program lowered to an HLO module for torch_xla's lazy graph.
 
-`jax.dlpack.from_dlpack` spends about 130 us per array on a 2-core CPU (mostly generic dtype
-and placement work around one C++ call); the C++ call alone takes about 15 us. A call through the
-bridge moves 5 to 9 arrays, so the public path alone would cost about 1 ms per attention call at
-small sizes. We call the C++ import directly and fall back to the public API if it moves.
+DLPack has a per-call budget: `jax.dlpack.from_dlpack` spends about 130 us per array on a 2-core
+CPU (mostly generic dtype and placement work around one C++ call); the C++ call alone takes about
+15 us. A call through the bridge moves 5 to 9 arrays, so the public path alone would cost about
+1 ms per attention call at small sizes. We call the C++ import directly and fall back to the
+public API if it moves.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 
 @functools.cache
@@ -46,3 +49,17 @@ def from_capsule(capsule) -> jax.Array:
     if _IMPORT is not None:
         return _IMPORT(capsule, _cpu_device(), None)
     return jax.dlpack.from_dlpack(_Capsule(capsule))
+
+
+def hlo_module(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str) -> bytes:
+    """`fn` at these (shape, dtype name) arguments, lowered for `platform` ("cpu" or "tpu") to a
+    serialized HLO module: what torch_xla splices into its lazy graph.
+
+    Lowering names its platform instead of asking JAX's default backend: a Mosaic kernel lowered
+    for TPU is serialized into its custom call and compiled by XLA where it runs, so JAX needs no
+    TPU backend and never opens a TPU that torch_xla owns. keep_unused: the caller passes every
+    argument as a parameter, so none may be pruned.
+    """
+    structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
+    lowered = jax.jit(fn, keep_unused=True).trace(*structs).lower(lowering_platforms=(platform,))
+    return lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()

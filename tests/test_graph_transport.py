@@ -128,3 +128,33 @@ def test_training_in_graph_is_one_graph_per_step_and_matches_sdpa(xla_device, mo
                                          xla_device)
     torch.testing.assert_close(torch.tensor(dl_losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
     assert dl_executions[-1] > executions[-1]  # DLPack syncs the lazy graph at every attention call
+
+
+def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, monkeypatch):
+    """What torch_xla would compile on a TPU, built here: attention() with its kernels planned and
+    lowered for TPU, forward and backward left in the lazy graph of torch_xla's CPU device (nothing
+    executes: a Mosaic call cannot run on a CPU). JAX, whose only backend here is the CPU, lowered
+    them; the graph of the gradients holds the forward kernel and the dq and dkv kernels."""
+    import gc
+
+    import jax
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from torch_splash import _transport
+
+    monkeypatch.setattr(_transport, "platform_of", lambda device: "tpu")
+    q, k, v = make_qkv(2, 4, 2, 256, 256, 64, 64, torch.float32, device=xla_device)
+    ids = torch.zeros(2, 256, dtype=torch.int32, device=xla_device)
+    torch_xla.sync()
+    xm.wait_device_ops()  # sync() executes asynchronously
+    executed = _metric_count("ExecuteTime")
+    out = torch_splash.attention(q, k, v, "causal", segment_ids=ids)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert _metric_count("ExecuteTime") == executed
+    assert torch_xla._XLAC._get_xla_tensors_hlo([out]).count('custom_call_target="tpu_custom_call"') == 1
+    step = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+    assert step.count('custom_call_target="tpu_custom_call"') == 3  # forward (for logsumexp), dq, dkv
+    assert {d.platform for d in jax.devices()} == {"cpu"}
+    del out, grads, q, k, v  # never executed: nothing may sync these graphs on a CPU
+    gc.collect()

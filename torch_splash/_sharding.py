@@ -68,7 +68,7 @@ class Sharding:
             "ids": (self.batch, None),
         }[role]
 
-    def run(self, fn, tensors, in_roles, out_roles) -> list[torch.Tensor]:
+    def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
         import torch_xla.distributed.spmd as xs
 
@@ -76,7 +76,7 @@ class Sharding:
         # then reshards the clone, as shard_map reshards to its in_specs).
         local = [xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
                  for t, r in zip(tensors, in_roles)]
-        outs = _transport.run(fn, local, "graph")
+        outs = _transport.run(fn, local, "graph", platform)
         return [xs.disable_manual_sharding(o, self.spec(r), self._full_shape(o, self.spec(r)), mesh=self.mesh).global_tensor
                 for o, r in zip(outs, out_roles)]
 

@@ -2,9 +2,11 @@
 
 "dlpack": CPU tensors and torch_xla CPU-device tensors cross to JAX and back without a copy; the
 program runs eagerly, so a torch_xla input's pending graph is executed first (a sync).
-"graph": torch_xla tensors only. `call_jax` lowers the jitted JAX program to HLO and splices it
-into torch_xla's lazy graph, where XLA runs it next to the rest of the model: no sync, no host
-round trip. It is the only way on TPU, where no layer supports DLPack.
+"graph": torch_xla tensors only. JAX lowers the jitted program to HLO for the kernels' platform
+and torch_xla splices it into its lazy graph, where XLA runs it next to the rest of the model: no
+sync, no host round trip. It is the only way on TPU, where no layer supports DLPack. (torch_xla's
+`call_jax` does the same but lowers for JAX's default backend, so on a TPU host JAX would open the
+TPU that torch_xla owns; naming the platform keeps JAX on the CPU.)
 
 JAX reads DLPack strides wrongly for non-contiguous tensors, so DLPack inputs are made contiguous
 first (HF passes transposed views). A torch_xla tensor with pending lazy ops aborts the process
@@ -13,11 +15,12 @@ inside `to_dlpack`, so those are materialised first.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from jax_core.transport import from_capsule
+from jax_core.transport import from_capsule, hlo_module
 
 
 TRANSPORTS = ("dlpack", "graph")
@@ -50,15 +53,25 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
     return "graph" if any(torch_xla._XLAC._check_tensor_need_materialization(tensors)) else "dlpack"
 
 
-def run(fn, tensors: list[torch.Tensor], transport: str) -> list[torch.Tensor]:
-    """fn (a stable jitted JAX function) on torch tensors, through the chosen transport."""
+def run(fn, tensors: list[torch.Tensor], transport: str, platform: str) -> list[torch.Tensor]:
+    """fn (a stable jitted JAX function, built for `platform`) on torch tensors, through the chosen
+    transport."""
     if transport == "graph":
-        import torch_xla.core.xla_builder as xla_builder
-
-        out = xla_builder.call_jax(fn, tuple(tensors))
-        return list(out) if isinstance(out, (tuple, list)) else [out]
+        args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
+        return list(_in_graph(fn, args, platform)(list(tensors)))
     out = fn(*to_jax(tensors))
     return to_torch(out if isinstance(out, (tuple, list)) else [out], tensors[0].device)
+
+
+@functools.lru_cache(maxsize=512)
+def _in_graph(fn, args: tuple, platform: str):
+    """fn at `args` as a function of torch_xla tensors that adds it to the lazy graph. One object
+    per program and shapes: torch_xla then sees the same computation every step and compiles it once."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    name = f"splash_{getattr(fn, '__name__', 'program').lstrip('_')}"
+    computation = xla_builder.computation_from_module_proto(name, hlo_module(fn, args, platform))
+    return xla_builder.xla_computation_as_func(computation, name)
 
 
 def platform_of(device: torch.device) -> str:

@@ -55,8 +55,8 @@ def _run(index: int, kernel: str, inputs: list, transport: str, out_roles: tuple
     fn = getattr(jax_core.program(plan), kernel)
     roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
     if sharding is None:
-        return _transport.run(fn, list(tensors), transport)
-    return sharding.run(fn, tensors, roles, out_roles)
+        return _transport.run(fn, list(tensors), transport, plan.platform)
+    return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 
 def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
