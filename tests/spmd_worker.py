@@ -23,13 +23,15 @@ import torch_splash  # noqa: E402
 from torch_splash import bridge  # noqa: E402
 
 CASES = {
-    # name: (partition_spec, Hq, Hkv, mask, segment ids)
-    "batch": (("data", None, None, None), 4, 2, "causal", False),
-    "heads-gqa": ((None, "model", None, None), 4, 2, "causal", True),
-    "batch-and-heads-gqa": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True),
-    "batch-and-heads-mqa": (("data", "model", None, None), 4, 1, "causal", False),
-    "all-devices-on-batch": ((("data", "model"), None, None, None), 2, 2, None, True),
-    "inputs-not-marked": (("data", "model", None, None), 4, 2, "causal", False),
+    # name: (partition_spec, Hq, Hkv, mask, segment ids, sinks)
+    "batch": (("data", None, None, None), 4, 2, "causal", False, False),
+    "heads-gqa": ((None, "model", None, None), 4, 2, "causal", True, False),
+    "batch-and-heads-gqa": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True, False),
+    "batch-and-heads-mqa": (("data", "model", None, None), 4, 1, "causal", False, False),
+    "all-devices-on-batch": ((("data", "model"), None, None, None), 2, 2, None, True, False),
+    "inputs-not-marked": (("data", "model", None, None), 4, 2, "causal", False, False),
+    "batch-and-heads-gqa-sinks": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True, True),
+    "all-devices-on-batch-sinks": ((("data", "model"), None, None, None), 2, 2, "causal", False, True),
 }
 
 
@@ -45,7 +47,7 @@ def _recording_run(index, *args):
 bridge._run = _recording_run
 
 
-def mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh):
+def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
     """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
     shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
     import jax
@@ -54,7 +56,9 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh):
 
     from torch_splash import _checks, _sharding
 
-    call = _checks.check_call(*xla_in, mask, None, None if ids is None else ids.to(xla_in[0].device), None)
+    device = xla_in[0].device
+    call = _checks.check_call(*xla_in, mask, None, None if ids is None else ids.to(device), None,
+                              None if sinks is None else sinks.to(device))
     sharding = _sharding.check(spec, mesh, call, None)
     call = sharding.spread_single_kv_head(call)
     plan = bridge._plan(call, None, "tpu", sharding)
@@ -65,6 +69,8 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh):
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
     if ids is not None:
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
+    if sinks is not None:
+        args += [jax.ShapeDtypeStruct((plan.num_q_heads,), jnp.float32)]
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
     out, lse = jax.eval_shape(program.forward, *args)
     backward = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
@@ -98,36 +104,43 @@ def main(names):
     device = torch_xla.device()
     errors(mesh, device)
     for name in names:
-        spec, hq, hkv, mask, with_ids = CASES[name]
+        spec, hq, hkv, mask, with_ids, with_sinks = CASES[name]
         g = torch.Generator().manual_seed(0)
         b, length, d = 4, 200, 32
         cpu = [torch.randn(b, h, length, d, generator=g) for h in (hq, hkv, hkv)]
         cotangent = torch.randn(b, hq, length, d, generator=g)
         ids = (torch.arange(length)[None] >= torch.tensor([[120], [200], [60], [0]])).int() if with_ids else None
+        sinks = torch.randn(hq, generator=g) if with_sinks else None
 
         ref_in = [t.clone().requires_grad_() for t in cpu]
-        ref = torch_splash.attention(*ref_in, mask, segment_ids=ids)
+        ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
+        ref = torch_splash.attention(*ref_in, mask, segment_ids=ids, sinks=ref_sinks)
         (ref * cotangent).sum().backward()
         RAN.clear()
 
         xla_in = [t.to(device).requires_grad_() for t in cpu]
+        xla_sinks = None if sinks is None else sinks.to(device).requires_grad_()
         kv_spec = spec if hkv > 1 else (spec[0], None, None, None)
         for t, s in zip(xla_in, (spec, kv_spec, kv_spec)):
             if name != "inputs-not-marked":  # otherwise XLA reshards them to partition_spec
                 xs.mark_sharding(t, mesh, s)
         out = torch_splash.attention(*xla_in, mask, segment_ids=None if ids is None else ids.to(device),
-                                     partition_spec=spec, mesh=mesh)
+                                     sinks=xla_sinks, partition_spec=spec, mesh=mesh)
         (out * cotangent.to(device)).sum().backward()
         torch_xla.sync()
         local = {plan for plan, sharding in RAN if sharding is not None}
         assert len(local) == 1, local
         local = local.pop()
         RAN.clear()
-        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, spec, mesh)
+        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh)
+        if sinks is not None:
+            xla_in, ref_in = xla_in + [xla_sinks], ref_in + [ref_sinks]
         print(json.dumps({
             "case": name,
             "out": (out.cpu() - ref).abs().max().item(),
-            "grads": [(x.grad.cpu() - r.grad).abs().max().item() for x, r in zip(xla_in, ref_in)],
+            # relative to the gradient's size where that exceeds 1 (d_sinks sums over B*Hq*L terms)
+            "grads": [((x.grad.cpu() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1)).item()
+                      for x, r in zip(xla_in, ref_in)],
             "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
             "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads],
             "tpu_custom_calls": tpu_calls,

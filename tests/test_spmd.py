@@ -22,6 +22,9 @@ EXPECTED = {
     "batch-and-heads-mqa": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1]),
     "all-devices-on-batch": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2]),
     "inputs-not-marked": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1]),
+    # with sinks (one logit per query head), whose gradient sums over the batch shards
+    "batch-and-heads-gqa-sinks": ("{devices=[2,2,1,1]0,1,2,3}", [2, 4, 1]),
+    "all-devices-on-batch-sinks": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2]),
 }
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
@@ -44,8 +47,10 @@ def worker_results():
 def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
     result = worker_results[case]
     out_sharding, local = EXPECTED[case]
-    # f32, the same kernels on the same numbers: equal up to the order of the MQA gradient sum.
+    # f32, the same kernels on the same numbers: equal up to the order of the MQA and sinks
+    # gradient sums (grads: max error relative to max(1, largest reference gradient)).
     assert result["out"] <= 1e-5 and max(result["grads"]) <= 1e-5, result
+    assert len(result["grads"]) == (4 if case.endswith("sinks") else 3)
     assert result["out_sharding"] == out_sharding  # the output stays sharded like q
     assert result["local_plan"] == local  # each device's kernels ran at its shard's shapes
 

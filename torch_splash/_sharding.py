@@ -60,12 +60,16 @@ class Sharding:
                                    v=call.v.expand(b, h, length, call.v.shape[3]))
 
     def spec(self, role: str) -> tuple:
-        """Partition spec of a tensor by role: q (B, Hq, L, D), kv (B, Hkv, L, D), lse (B, Hq, L), ids (B, L)."""
+        """Partition spec of a tensor by role: q (B, Hq, L, D), kv (B, Hkv, L, D), lse (B, Hq, L),
+        ids (B, L), sinks (Hq,), and d_sinks: each device's sum over its own batch shard, given a
+        leading axis of one so that the batch shards' partial sums line up along it."""
         return {
             "q": (self.batch, self.heads, None, None),
             "kv": (self.batch, self.heads, None, None),
             "lse": (self.batch, self.heads, None),
             "ids": (self.batch, None),
+            "sinks": (self.heads,),
+            "d_sinks": (self.batch, self.heads),
         }[role]
 
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
@@ -77,8 +81,12 @@ class Sharding:
         local = [xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
                  for t, r in zip(tensors, in_roles)]
         outs = _transport.run(fn, local, "graph", platform)
-        return [xs.disable_manual_sharding(o, self.spec(r), self._full_shape(o, self.spec(r)), mesh=self.mesh).global_tensor
+        # The sinks' gradient sums over the batch: each device's kernel summed its own shard, and
+        # the sum over the shards happens outside the manual region, where XLA can all-reduce it.
+        outs = [o[None] if r == "d_sinks" else o for o, r in zip(outs, out_roles)]
+        outs = [xs.disable_manual_sharding(o, self.spec(r), self._full_shape(o, self.spec(r)), mesh=self.mesh).global_tensor
                 for o, r in zip(outs, out_roles)]
+        return [o.sum(0) if r == "d_sinks" else o for o, r in zip(outs, out_roles)]
 
     def _full_shape(self, t: torch.Tensor, spec) -> torch.Size:
         return torch.Size(d * self.shards(entry) for d, entry in zip(t.shape, spec))
@@ -91,10 +99,6 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
         return None
     spec = tuple(tuple(e) if isinstance(e, list) else e for e in partition_spec)  # hashable
-    if call.sinks is not None:
-        raise SplashConstraintError(
-            "sinks= together with partition_spec= is not supported yet: the sinks' gradient would need "
-            "a sum over the batch shards. Call without partition_spec (or without sinks).")
     if call.unbatched or len(spec) != 4:
         raise SplashConstraintError(
             f"partition_spec={partition_spec!r}: give one entry per dimension of batched 4-D q, k, v "

@@ -100,7 +100,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Te
     forward's residuals."""
     inputs = _inputs(q, k, v, q_ids, kv_ids, sinks) + [("q", out), ("lse", lse), ("q", d_out)]
     transport = _transport.choose([t for _, t in inputs if t is not None], requested or None)
-    grads = _run(call, "backward", inputs, transport, ("q", "kv", "kv", "sinks"))
+    grads = _run(call, "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
     dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
     return dq, dk, dv, d_sinks
 
