@@ -27,9 +27,14 @@ FAMILIES = {
     # attention sinks (s_aux), alternating sliding layers, a mixture of experts
     "gpt_oss": lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 64}, head_dim=16, sliding_window=5,
                                                  num_local_experts=4, num_experts_per_tok=2),
+    # chunked attention (chunks of 3: not a multiple of the left padding of 4) on the first layer, full
+    # on the second; a mixture of experts
+    "llama4": lambda: transformers.Llama4TextConfig(**SMALL, head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+                                                    num_experts_per_tok=1, attention_chunk_size=3,
+                                                    no_rope_layer_interval=2),
 }
 # transformers runs Gemma 2 (soft cap) and gpt-oss (sinks) with "eager"
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "llama4": "sdpa"}
 L = 12
 
 
@@ -180,6 +185,34 @@ def test_mask_function_packed_sequences_are_segment_ids():
     assert got.mask == torch_splash.masks.CausalMask(0)
     expected = mu.sdpa_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False)[:, 0]
     assert torch.equal(_dense(got, 6, 6), expected)
+
+
+def test_mask_function_chunks_are_segment_ids_shifted_by_left_padding():
+    """Llama 4's chunked attention: chunks of 4 counted from each row's first real token."""
+    padding = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8, [1] * 9 + [0, 0]], dtype=torch.bool)
+    left_padding = (padding.long().cumsum(-1) == 0).sum(-1)  # as create_chunked_causal_mask counts it
+    fn = mu.chunked_causal_mask_function(4, left_padding)
+    got = hf.splash_mask(3, 11, 11, mask_function=fn, attention_mask=padding)
+    assert got.mask == torch_splash.masks.CausalMask(0)
+    expected = mu.sdpa_mask(3, 11, 11, mask_function=fn, attention_mask=padding, allow_is_causal_skip=False)[:, 0]
+    assert torch.equal(_dense(got, 11, 11)[padding], expected[padding])
+    # decoding: the query at position 11 sees its own chunk (positions from 3 + 8 = 11 for the left-padded row)
+    padding = torch.cat([padding, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+    got = hf.splash_mask(3, 1, 12, q_offset=11, mask_function=fn, attention_mask=padding)
+    expected = mu.sdpa_mask(3, 1, 12, q_offset=11, mask_function=fn, attention_mask=padding,
+                            allow_is_causal_skip=False)[:, 0]
+    assert torch.equal(_dense(got, 1, 12), expected)
+
+
+def test_mask_function_chunks_within_packed_sequences():
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0]])
+    packed = mu.find_packed_sequence_indices(positions)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int)),
+                                                             positions),
+                      mu.packed_sequence_mask_function(packed))
+    got = hf.splash_mask(1, 10, 10, mask_function=fn)
+    expected = mu.sdpa_mask(1, 10, 10, mask_function=fn, allow_is_causal_skip=False)[:, 0]
+    assert torch.equal(_dense(got, 10, 10), expected)
 
 
 def test_unrecognised_mask_function_falls_back_to_hf_dense_mask():

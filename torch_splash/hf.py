@@ -6,9 +6,9 @@ transformers hands custom attention `attention_mask=None` and causal masking is 
 `patch(model)` switches a model that is already loaded.
 
 The mask function reads the mask transformers describes (causal or bidirectional, sliding windows,
-KV-cache offsets, packed sequences) from HF's own mask-function factories and turns it into one
-structured splash mask plus segment ids for padding and packing: nothing (Lq, Lkv)-sized is built
-per batch element. A mask function it does not recognise (model-specific overlays such as image
+Llama 4's chunks, KV-cache offsets, packed sequences) from HF's own mask-function factories and
+turns it into one structured splash mask plus segment ids for padding, packing and chunks: nothing
+(Lq, Lkv)-sized is built per batch element. A mask function it does not recognise (model-specific overlays such as image
 token blocks) is materialised by HF's `sdpa_mask` and served through the SDPA drop-in's dense path.
 
 Tested with transformers 5.24.0 (the pinned version).
@@ -48,6 +48,7 @@ class _Unrecognised(Exception):
 _AND = mu.and_masks(mu.causal_mask_function).__code__
 _SLIDING = mu.sliding_window_overlay(1).__code__
 _SLIDING_BIDIRECTIONAL = mu.sliding_window_bidirectional_overlay(1).__code__
+_CHUNKED = mu.chunked_overlay(1, None).__code__
 _PACKED = mu.packed_sequence_mask_function(None).__code__
 _REMAPPED = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__
 
@@ -60,39 +61,86 @@ def _min(a, b):
     return b if a is None else a if b is None else min(a, b)
 
 
-def _read(mask_function):
-    """(left, right, packed ids) of an HF mask function built from HF's own factories.
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """An HF mask function in splash terms. left/right bound how far back/forward (in positions) a
+    query may look, None meaning unbounded; packed: HF's packed-sequence ids (B, L); chunk: (chunk
+    size, left padding (B,), positions (B, L) or None when positions are the indices), Llama 4's
+    chunked attention, whose chunks start after each row's left padding."""
 
-    left/right bound how far back/forward (in absolute positions) a query may look, None meaning
-    unbounded; an AND of factories intersects the bounds. Raises _Unrecognised otherwise."""
+    left: int | None = None
+    right: int | None = None
+    packed: torch.Tensor | None = None
+    chunk: tuple | None = None
+
+    def __and__(self, other: _Structure) -> _Structure:
+        if (self.packed is not None and other.packed is not None) or (self.chunk and other.chunk):
+            raise _Unrecognised  # two packings or two chunkings: not one set of segment ids
+        return _Structure(_min(self.left, other.left), _min(self.right, other.right),
+                          self.packed if self.packed is not None else other.packed, self.chunk or other.chunk)
+
+
+def _read(mask_function) -> _Structure:
+    """The _Structure of an HF mask function built from HF's own factories; an AND of factories
+    intersects. Raises _Unrecognised otherwise."""
     if mask_function is mu.causal_mask_function:
-        return None, 0, None
+        return _Structure(right=0)
     if mask_function is mu.bidirectional_mask_function:
-        return None, None, None
+        return _Structure()
     code = getattr(mask_function, "__code__", None)
     cells = _cells(mask_function) if code else {}
     if code is _SLIDING:
-        return cells["sliding_window"] - 1, None, None  # HF's W keeps W tokens, self included
+        return _Structure(left=cells["sliding_window"] - 1)  # HF's W keeps W tokens, self included
     if code is _SLIDING_BIDIRECTIONAL:
-        return cells["sliding_window"], cells["sliding_window"], None
+        return _Structure(left=cells["sliding_window"], right=cells["sliding_window"])
+    if code is _CHUNKED:
+        return _Structure(chunk=(cells["chunk_size"], cells["left_padding"], None))
     if code is _PACKED:
-        return None, None, cells["packed_sequence_mask"]
+        return _Structure(packed=cells["packed_sequence_mask"])
     if code is _AND:
-        left = right = packed = None
-        remapped = False
+        structure, remapped = _Structure(), False
         for part in cells["mask_functions"]:
             if getattr(part, "__code__", None) is _REMAPPED:
-                # Within one packed sequence, positions step by one exactly as indices do, so the
-                # remapped relative mask equals the plain one wherever the packed-ids mask allows.
-                remapped, part = True, _cells(part)["mask_function"]
-            l, r, p = _read(part)
-            if p is not None and packed is not None:
-                raise _Unrecognised  # two packings: not one set of segment ids
-            left, right, packed = _min(left, l), _min(right, r), p if packed is None else packed
-        if remapped and packed is None:
+                # Within one packed sequence, positions step by one exactly as indices do, so a
+                # remapped relative mask equals the plain one wherever the packed-ids mask allows;
+                # chunks, which are not relative, are counted in the remapped positions.
+                remapped, positions, part = True, _cells(part)["position_ids"], _cells(part)["mask_function"]
+                part = _read(part)
+                if part.chunk:
+                    part = dataclasses.replace(part, chunk=(*part.chunk[:2], positions))
+            else:
+                part = _read(part)
+            structure &= part
+        if remapped and structure.packed is None:
             raise _Unrecognised
-        return left, right, packed
+        return structure
     raise _Unrecognised
+
+
+def _chunk_ids(chunk, batch_size: int, length: int, offset: int, device) -> torch.Tensor:
+    """(B, length) chunk index of each position: HF's (position - left padding) // chunk size."""
+    size, left_padding, positions = chunk
+    if positions is None:
+        positions = torch.arange(offset, offset + length, device=device).expand(batch_size, length)
+    return torch.div(positions - left_padding.to(positions.device)[:, None], size, rounding_mode="floor")
+
+
+def _segments(structure: _Structure, batch_size, q_length, kv_length, q_offset, kv_offset, device):
+    """(q ids, kv ids): queries see only keys of their own segment (packed sequence and chunk), or
+    None when nothing segments the rows."""
+    if structure.packed is None and not structure.chunk:
+        return None
+    q_ids = kv_ids = structure.packed
+    if structure.chunk:
+        q_chunks = _chunk_ids(structure.chunk, batch_size, q_length, q_offset, device)
+        kv_chunks = _chunk_ids(structure.chunk, batch_size, kv_length, kv_offset, device)
+        if structure.packed is None:
+            q_ids, kv_ids = q_chunks, kv_chunks
+        else:  # one id per (sequence, chunk) pair; chunks count from 0 within each packed sequence
+            per_sequence = int(max(q_chunks.max(), kv_chunks.max())) + 1
+            q_ids = structure.packed.to(device) * per_sequence + q_chunks
+            kv_ids = structure.packed.to(device) * per_sequence + kv_chunks
+    return q_ids, kv_ids
 
 
 def _structured(left, right, offset: int) -> _masks.Mask:
@@ -107,33 +155,38 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     recognise, HF's dense bool mask (B, 1, Lq, Lkv)."""
     q_offset = int(q_offset)  # StaticCache layers report it as a tensor
     try:
-        left, right, packed = _read(mask_function)
+        structure = _read(mask_function)
     except _Unrecognised:
         kwargs.pop("allow_is_causal_skip", None)
         return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                             allow_is_causal_skip=False, **kwargs)
+    device = kwargs.get("device", "cpu")
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     kv_valid = q_valid = None
     if padding is not None and not bool(padding.all()):
         kv_valid = padding[:, kv_offset:kv_offset + kv_length]
         q_valid = mu.prepare_padding_mask(attention_mask, q_offset + q_length, 0)[:, q_offset:q_offset + q_length]
-    if q_length == 1 and packed is None:
-        return _decode_mask(batch_size, kv_length, q_offset - kv_offset, left, right, kv_valid, q_valid,
-                            kwargs.get("device", "cpu"))
-    mask = _structured(left, right, q_offset - kv_offset)
-    if packed is None and kv_valid is None:
+    segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
+    if q_length == 1 and structure.packed is None:
+        same_segment = None if segments is None else segments[1] == segments[0]
+        return _decode_mask(batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right,
+                            same_segment, kv_valid, q_valid, device)
+    mask = _structured(structure.left, structure.right, q_offset - kv_offset)
+    if segments is None and kv_valid is None:
         return SplashMask(mask)
-    q_ids = packed if packed is not None else torch.zeros(batch_size, q_length, dtype=torch.int32)
-    kv_ids = packed if packed is not None else torch.zeros(batch_size, kv_length, dtype=torch.int32)
+    q_ids, kv_ids = segments if segments is not None else (
+        torch.zeros(batch_size, q_length, dtype=torch.int32), torch.zeros(batch_size, kv_length, dtype=torch.int32))
     if kv_valid is not None:
-        # Padded keys get id 0, which no query has; padded queries get -1, which no key has: their rows are 0.
+        # Padded keys get id 0, which no query has; padded queries get -1, which no key has: their
+        # rows are 0. (Real ids are >= 0 at every real position.)
         kv_ids = torch.where(kv_valid, kv_ids.to(kv_valid.device) + 1, 0)
         q_ids = torch.where(q_valid, q_ids.to(q_valid.device) + 1, -1)
     return SplashMask(mask, (q_ids.to(torch.int32), kv_ids.to(torch.int32)))
 
 
-def _decode_mask(batch_size, kv_length, offset, left, right, kv_valid, q_valid, device) -> SplashMask:
-    """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right];
+def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, q_valid, device) -> SplashMask:
+    """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right]
+    (within its chunk, if chunked: same_segment (B, Lkv));
     it and the padding become kv segment ids over a full mask, and the keys are padded to the next
     multiple of 128 (the kernel pads there anyway). So every decode step until the cache crosses
     that multiple has the same shapes and mask and reuses one compiled program; with the mask's
@@ -144,7 +197,11 @@ def _decode_mask(batch_size, kv_length, offset, left, right, kv_valid, q_valid, 
         visible &= j >= offset - left
     if right is not None:
         visible &= j <= offset + right
-    kv_ids = visible.expand(batch_size, kv_length) if kv_valid is None else visible & kv_valid
+    kv_ids = visible.expand(batch_size, kv_length)
+    if same_segment is not None:
+        kv_ids = kv_ids & same_segment.to(device)
+    if kv_valid is not None:
+        kv_ids = kv_ids & kv_valid
     q_ids = torch.ones(batch_size, 1, dtype=torch.int32, device=device)
     if q_valid is not None:
         q_ids = torch.where(q_valid, q_ids, -1)  # a padded query sees no key: its row is 0
