@@ -268,3 +268,74 @@ def test_torch_compile_of_a_model_matches_eager():
     torch._dynamo.reset()
     got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=0)
+
+
+# On torch_xla's device, the TPU path: the model's step is one lazy graph with splash inside it.
+
+def _xla_training_steps(impl, device, steps):
+    """A tiny Llama trained with SGD on torch_xla's device; per step: (loss, gradients, XLA
+    executions, compilations). Right padding, with the padded positions out of the loss."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    def count(name):
+        data = met.metric_data(name)
+        return 0 if data is None else data[0]
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL),
+                                                          attn_implementation=impl).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, mask, _, valid = batch("right")
+    labels = ids.masked_fill(~valid, -100)
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+    torch_xla.sync()
+    xm.wait_device_ops()
+    results = []
+    for _ in range(steps):
+        executed, compiled = count("ExecuteTime"), count("CompileTime")
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        xm.wait_device_ops()
+        results.append((loss.cpu(), {n: g.cpu() for n, g in grads.items()},
+                        count("ExecuteTime") - executed, count("CompileTime") - compiled))
+    return results
+
+
+def test_training_on_the_xla_device_matches_sdpa_and_compiles_once(xla_device):
+    got, ref = (_xla_training_steps(impl, xla_device, steps=3) for impl in ("splash", "sdpa"))
+    for (loss, grads, _, _), (ref_loss, ref_grads, _, _) in zip(got, ref):
+        torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=0)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=0, msg=name)
+    # Step 1 compiles the graph; later steps reuse it. Each step executes as one graph holding
+    # forward, backward, update and the splash kernels: no sync in the mask function or attention.
+    assert [compiled for _, _, _, compiled in got[1:]] == [0, 0]
+    assert [executed for _, _, executed, _ in got] == [1, 1, 1]
+
+
+def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, monkeypatch):
+    """The HF step's graph, with the kernels planned and lowered for TPU (built on the CPU device,
+    never executed): every attention layer adds its forward, dq and dkv Mosaic calls."""
+    import gc
+
+    import torch_xla
+
+    from torch_splash import _transport
+
+    monkeypatch.setattr(_transport, "platform_of", lambda device: "tpu")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL),
+                                                          attn_implementation="splash").to(xla_device)
+    ids, mask, _, _ = batch("right")
+    loss = model(input_ids=ids.to(xla_device), attention_mask=mask.to(xla_device), labels=ids.to(xla_device)).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 3 * SMALL["num_hidden_layers"]
+    del loss, grads, model  # never executed: nothing may sync these graphs on a CPU
+    gc.collect()
