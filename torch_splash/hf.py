@@ -8,8 +8,9 @@ transformers hands custom attention `attention_mask=None` and causal masking is 
 The mask function reads the mask transformers describes (causal or bidirectional, sliding windows,
 Llama 4's chunks, KV-cache offsets, packed sequences) from HF's own mask-function factories and
 turns it into one structured splash mask plus segment ids for padding, packing and chunks: nothing
-(Lq, Lkv)-sized is built per batch element. A mask function it does not recognise (model-specific overlays such as image
-token blocks) is materialised by HF's `sdpa_mask` and served through the SDPA drop-in's dense path.
+(Lq, Lkv)-sized is built per batch element. A mask function it does not recognise (model-specific
+overlays such as image token blocks) is materialised by HF's `sdpa_mask` and served through the
+SDPA drop-in's dense path.
 
 Tested with transformers 5.24.0 (the pinned version).
 """
@@ -104,10 +105,10 @@ def _read(mask_function) -> _Structure:
                 # Within one packed sequence, positions step by one exactly as indices do, so a
                 # remapped relative mask equals the plain one wherever the packed-ids mask allows;
                 # chunks, which are not relative, are counted in the remapped positions.
-                remapped, positions, part = True, _cells(part)["position_ids"], _cells(part)["mask_function"]
-                part = _read(part)
+                remapped, remap = True, _cells(part)
+                part = _read(remap["mask_function"])
                 if part.chunk:
-                    part = dataclasses.replace(part, chunk=(*part.chunk[:2], positions))
+                    part = dataclasses.replace(part, chunk=(*part.chunk[:2], remap["position_ids"]))
             else:
                 part = _read(part)
             structure &= part
@@ -187,12 +188,12 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
 
 
 def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, q_valid, device) -> SplashMask:
-    """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right]
-    (within its chunk, if chunked: same_segment (B, Lkv));
-    it and the padding become kv segment ids over a full mask, and the keys are padded to the next
-    multiple of 128 (the kernel pads there anyway). So every decode step until the cache crosses
-    that multiple has the same shapes and mask and reuses one compiled program; with the mask's
-    offset and the key length as compile-time constants, each step would compile its own."""
+    """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right],
+    within its own chunk if chunked (same_segment, (B, Lkv)). That and the padding become kv segment
+    ids over a full mask, and the keys are padded to the next multiple of 128 (the kernel pads there
+    anyway). So every decode step until the cache crosses that multiple has the same shapes and mask
+    and reuses one compiled program; with the mask's offset and the key length as compile-time
+    constants, each step would compile its own."""
     j = torch.arange(kv_length, device=device)
     visible = torch.ones(kv_length, dtype=torch.bool, device=device)
     if left is not None:
