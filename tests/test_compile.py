@@ -98,6 +98,20 @@ def test_compiled_inference_matches_eager():
     torch.testing.assert_close(fn(q, k, v), torch_splash.attention(q, k, v, mask), atol=1e-6, rtol=0)
 
 
+def test_options_passed_as_none_trace():
+    """Callers (the SDPA drop-in, HF's adapter, user code forwarding optional arguments) pass
+    None for options they do not set; Dynamo refuses None inputs to a nonstrict_trace function."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32))
+    none = dict(scale=None, segment_ids=None, soft_cap=None, block_sizes=None, transport=None, sinks=None)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, None, **none), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), torch_splash.attention(q, k, v), atol=1e-6, rtol=0)
+    fn = torch.compile(lambda q, k, v: torch_splash.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       fullgraph=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(fn(q, k, v), expected, atol=2e-5, rtol=0)
+
+
 def test_a_mask_built_inside_the_compiled_function_is_dynamos_documented_limit():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 32, 32, torch.float32)
     torch._dynamo.reset()
