@@ -45,3 +45,12 @@ def assert_matches_reference(q, k, v, mask=None, **kwargs):
     torch.testing.assert_close(out.cpu().float(), ref_out, atol=oa, rtol=orr)
     for name, mine, ref in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(mine.cpu().float(), ref, atol=ga, rtol=gr, msg=lambda m: f"d{name}: {m}")
+
+
+def xla_metric_count(name: str) -> int:
+    """How many samples torch_xla's metric `name` holds (ExecuteTime: graph executions,
+    CompileTime: compilations)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data(name)
+    return 0 if data is None else data[0]

@@ -6,15 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_splash
-from helpers import make_qkv
+from helpers import make_qkv, xla_metric_count
 from torch_splash import SplashConstraintError
-
-
-def _metric_count(name):
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data(name)
-    return 0 if data is None else data[0]
 
 
 def test_both_transports_give_identical_results(xla_device):
@@ -38,9 +31,9 @@ def test_graph_transport_does_not_sync(xla_device):
     base = [t.detach() for t in make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32, device=xla_device)]
     torch_xla.sync()
     q, k, v = (t * 1.5 for t in base)  # pending
-    executed = _metric_count("ExecuteTime")
+    executed = xla_metric_count("ExecuteTime")
     out = torch_splash.attention(q, k, v, "causal")  # automatic: pending inputs -> graph
-    assert _metric_count("ExecuteTime") == executed  # nothing ran yet
+    assert xla_metric_count("ExecuteTime") == executed  # nothing ran yet
     assert torch_xla._XLAC._check_tensor_need_materialization([out]) == [True]
     expected = torch_splash.attention(*(t.cpu() * 1.5 for t in base), "causal")
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
@@ -60,9 +53,9 @@ def test_transport_choice_and_override(xla_device, monkeypatch):
     import torch_xla
 
     torch_xla.sync()
-    executed = _metric_count("ExecuteTime")
+    executed = xla_metric_count("ExecuteTime")
     out = torch_splash.attention(xq, xk, xv)  # materialised inputs, but the environment asks for graph
-    assert _metric_count("ExecuteTime") == executed
+    assert xla_metric_count("ExecuteTime") == executed
     torch.testing.assert_close(out.cpu(), torch_splash.attention(q, k, v).detach(), atol=1e-6, rtol=1e-6)
 
 
@@ -96,7 +89,7 @@ def _train(attn, device, steps=4):
     tokens = torch.randint(0, 50, (2, 129), generator=torch.Generator().manual_seed(1)).to(device)
     losses, executions, compiles = [], [], []
     for _ in range(steps):
-        before_exec, before_compile = _metric_count("ExecuteTime"), _metric_count("CompileTime")
+        before_exec, before_compile = xla_metric_count("ExecuteTime"), xla_metric_count("CompileTime")
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
@@ -106,8 +99,8 @@ def _train(attn, device, steps=4):
         # step (seen on a loaded machine: [0, 2, 1, 1])
         xm.wait_device_ops()
         losses.append(loss.item())
-        executions.append(_metric_count("ExecuteTime") - before_exec)
-        compiles.append(_metric_count("CompileTime") - before_compile)
+        executions.append(xla_metric_count("ExecuteTime") - before_exec)
+        compiles.append(xla_metric_count("CompileTime") - before_compile)
     return losses, executions, compiles
 
 
@@ -148,10 +141,10 @@ def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, monkey
     ids = torch.zeros(2, 256, dtype=torch.int32, device=xla_device)
     torch_xla.sync()
     xm.wait_device_ops()  # sync() executes asynchronously
-    executed = _metric_count("ExecuteTime")
+    executed = xla_metric_count("ExecuteTime")
     out = torch_splash.attention(q, k, v, "causal", segment_ids=ids)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
-    assert _metric_count("ExecuteTime") == executed
+    assert xla_metric_count("ExecuteTime") == executed
     assert torch_xla._XLAC._get_xla_tensors_hlo([out]).count('custom_call_target="tpu_custom_call"') == 1
     step = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
     assert step.count('custom_call_target="tpu_custom_call"') == 3  # forward (for logsumexp), dq, dkv

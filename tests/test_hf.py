@@ -277,11 +277,8 @@ def _xla_training_steps(impl, device, steps):
     executions, compilations). Right padding, with the padded positions out of the loss."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
 
-    def count(name):
-        data = met.metric_data(name)
-        return 0 if data is None else data[0]
+    from helpers import xla_metric_count as count
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL),
