@@ -201,16 +201,21 @@ def attention(
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    options = dict(mask=mask, scale=scale, segment_ids=segment_ids, soft_cap=soft_cap, block_sizes=block_sizes,
-                   transport=transport, partition_spec=partition_spec, mesh=mesh, sinks=sinks)
+    # A structured mask crosses as its source text (see masks.to_source).
+    source = _masks.to_source(mask)
+    options = dict(mask=mask if source is None else None, mask_source=source, scale=scale, segment_ids=segment_ids,
+                   soft_cap=soft_cap, block_sizes=block_sizes, transport=transport, partition_spec=partition_spec,
+                   mesh=mesh, sinks=sinks)
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
 
 # Under torch.compile, Dynamo does not trace this body (checks and planning: plain Python on
 # shapes): it runs on fake tensors while the graph is built and leaves only the custom ops in it.
 @torch._dynamo.nonstrict_trace
-def _attention(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None, block_sizes=None, transport=None,
-               partition_spec=None, mesh=None, sinks=None) -> torch.Tensor:
+def _attention(q, k, v, mask=None, *, mask_source=None, scale=None, segment_ids=None, soft_cap=None, block_sizes=None,
+               transport=None, partition_spec=None, mesh=None, sinks=None) -> torch.Tensor:
+    if mask_source is not None:
+        mask = _masks.from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport)
     if sharding is not None:

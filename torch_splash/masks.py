@@ -145,3 +145,47 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
 
 # Every mask type a caller can pass (torch.compile treats them as constants; see bridge.py).
 TYPES = (FullMask, CausalMask, LocalMask, ChunkedCausalMask, And, Or, DenseMask, MultiHeadMask, MaskMod)
+
+
+# Structured masks cross into torch.compile's nonstrict_trace region as the text of their
+# constructor calls: Dynamo passes a str whatever built it, but a mask object only if it was built
+# outside the compiled region.
+_STRUCTURED = {cls.__name__: cls for cls in (FullMask, CausalMask, LocalMask, ChunkedCausalMask, And, Or, MultiHeadMask)}
+
+
+def to_source(mask) -> str | None:
+    """A structured mask as constructor calls, e.g. "And(CausalMask(0), LocalMask(3, 0, 0))"; None
+    for anything else (data masks, strings, tensors, lists)."""
+    if isinstance(mask, FullMask):
+        return "FullMask()"
+    if isinstance(mask, CausalMask):
+        return f"CausalMask({mask.offset})"
+    if isinstance(mask, LocalMask):
+        return f"LocalMask({mask.window_left}, {mask.window_right}, {mask.offset})"
+    if isinstance(mask, ChunkedCausalMask):
+        return f"ChunkedCausalMask({mask.chunk_size})"
+    if isinstance(mask, (And, Or)):
+        left, right = to_source(mask.left), to_source(mask.right)
+        return None if left is None or right is None else f"{type(mask).__name__}({left}, {right})"
+    if isinstance(mask, MultiHeadMask):
+        heads = "".join(f"{to_source(m)}, " for m in mask.masks)
+        return None if "None, " in heads else f"MultiHeadMask(({heads}))"
+    return None
+
+
+def from_source(source: str) -> Mask:
+    """The mask `to_source` wrote: constructor calls of the structured masks on int/None literals."""
+    import ast
+
+    def build(node):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _STRUCTURED:
+            return _STRUCTURED[node.func.id](*(build(a) for a in node.args))
+        if isinstance(node, ast.Tuple):
+            return tuple(build(e) for e in node.elts)
+        if isinstance(node, ast.Constant) and (node.value is None or type(node.value) is int):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -build(node.operand)
+        raise ValueError(f"not a mask source: {ast.dump(node)}")
+
+    return build(ast.parse(source, mode="eval").body)
