@@ -63,15 +63,19 @@ def batch(layout):
     return ids, mask, None, mask.bool()
 
 
+def _labels(ids, valid):
+    """Next-token labels without the tokens at padded positions or predicted from them."""
+    predicted_from_valid = torch.cat([valid[:, :1], valid[:, :-1]], dim=1)
+    return ids.masked_fill(~(valid & predicted_from_valid), -100)
+
+
 def logits_and_grads(model, impl, ids, mask, positions, valid):
     model.set_attn_implementation(impl)
     model.zero_grad()
     # The loss skips tokens at padded positions and tokens predicted from padded positions: what a
     # fully masked (left-padded) query row returns differs by implementation (0 in sdpa and splash,
     # a uniform average in eager), and no real prediction comes from it.
-    predicted_from_valid = torch.cat([valid[:, :1], valid[:, :-1]], dim=1)
-    labels = ids.masked_fill(~(valid & predicted_from_valid), -100)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=_labels(ids, valid))
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), out.loss.detach(), grads
@@ -260,14 +264,25 @@ def test_finetune_example_runs(tmp_path):
     assert diff < 1e-4 and plot.stat().st_size > 0
 
 
-def test_torch_compile_of_a_model_matches_eager():
-    """torch.compile (graph breaks allowed: the mask function reads HF's closures in Python)."""
-    model = make_model("llama").eval()
+@pytest.mark.parametrize("family,fullgraph", [("llama", True), ("mistral", False)])
+def test_compiled_model_matches_eager(family, fullgraph):
+    """torch.compile(model): for Llama with fullgraph=True (the mask function, the attention
+    function and the kernels trace as one graph; any graph break raises); for Mistral, whose
+    sliding-window mask closures transformers builds inside the compiled forward, with graph breaks.
+    Left padding. Logits on real positions, the loss and every parameter gradient match eager."""
+    model = make_model(family)
     ids, mask, _, valid = batch("left")
-    expected = model(input_ids=ids, attention_mask=mask).logits
+    _, ref_loss, ref_grads = logits_and_grads(model, "splash", ids, mask, None, valid)
+    expected = model(input_ids=ids, attention_mask=mask).logits.detach()
     torch._dynamo.reset()
-    got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=0)
+    compiled = torch.compile(model, fullgraph=fullgraph, backend="aot_eager")
+    model.zero_grad()
+    out = compiled(input_ids=ids, attention_mask=mask, labels=_labels(ids, valid))
+    out.loss.backward()
+    torch.testing.assert_close(out.logits.detach()[valid], expected[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.loss.detach(), ref_loss, atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=0, msg=name)
 
 
 # On torch_xla's device, the TPU path: the model's step is one lazy graph with splash inside it.

@@ -164,9 +164,11 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     device = kwargs.get("device", "cpu")
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     kv_valid = q_valid = None
-    # Whether a mask pads anything is a host read; on torch_xla that would execute the pending
-    # graph every step, so there the padding always becomes segment ids.
-    if padding is not None and (padding.device.type == "xla" or not bool(padding.all())):
+    # Whether a mask pads anything is a host read: on torch_xla it would execute the pending graph
+    # every step, and under torch.compile it is a data-dependent branch. There padding always
+    # becomes segment ids.
+    if padding is not None and (padding.device.type == "xla" or torch.compiler.is_compiling()
+                                or not bool(padding.all())):
         kv_valid = padding[:, kv_offset:kv_offset + kv_length]
         q_valid = mu.prepare_padding_mask(attention_mask, q_offset + q_length, 0)[:, q_offset:q_offset + q_length]
     segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
