@@ -117,7 +117,7 @@ BUILT_INSIDE = [
     lambda: CausalMask(2),
     lambda: LocalMask(3),
     lambda: CausalMask(0) & LocalMask(5, None, -1),
-    lambda: MultiHeadMask((CausalMask(0), LocalMask(4))),
+    lambda: MultiHeadMask((CausalMask(0), LocalMask(4, None))),
     lambda: ChunkedCausalMask(8) | CausalMask(-3),
 ]
 

@@ -201,8 +201,8 @@ def attention(
     work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    # A structured mask crosses as its source text (see masks.to_source).
-    source = _masks.to_source(mask)
+    # Under compile a structured mask crosses as its source text (see masks.to_source).
+    source = _masks.to_source(mask) if torch.compiler.is_compiling() else None
     options = dict(mask=mask if source is None else None, mask_source=source, scale=scale, segment_ids=segment_ids,
                    soft_cap=soft_cap, block_sizes=block_sizes, transport=transport, partition_spec=partition_spec,
                    mesh=mesh, sinks=sinks)

@@ -168,11 +168,12 @@ def to_source(mask) -> str | None:
         left, right = to_source(mask.left), to_source(mask.right)
         return None if left is None or right is None else f"{type(mask).__name__}({left}, {right})"
     if isinstance(mask, MultiHeadMask):
-        heads = "".join(f"{to_source(m)}, " for m in mask.masks)
-        return None if "None, " in heads else f"MultiHeadMask(({heads}))"
+        heads = [to_source(m) for m in mask.masks]
+        return None if None in heads else "MultiHeadMask((" + "".join(f"{h}, " for h in heads) + "))"
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def from_source(source: str) -> Mask:
     """The mask `to_source` wrote: constructor calls of the structured masks on int/None literals."""
     import ast
