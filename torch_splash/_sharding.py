@@ -81,12 +81,19 @@ class Sharding:
         local = [xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
                  for t, r in zip(tensors, in_roles)]
         outs = _transport.run(fn, local, "graph", platform)
-        # The sinks' gradient sums over the batch: each device's kernel summed its own shard, and
-        # the sum over the shards happens outside the manual region, where XLA can all-reduce it.
-        outs = [o[None] if r == "d_sinks" else o for o, r in zip(outs, out_roles)]
-        outs = [xs.disable_manual_sharding(o, self.spec(r), self._full_shape(o, self.spec(r)), mesh=self.mesh).global_tensor
-                for o, r in zip(outs, out_roles)]
-        return [o.sum(0) if r == "d_sinks" else o for o, r in zip(outs, out_roles)]
+        return [self._global(o, r) for o, r in zip(outs, out_roles)]
+
+    def _global(self, local: torch.Tensor, role: str) -> torch.Tensor:
+        """A device's output back as the global tensor. The sinks' gradient sums over the batch:
+        each device's kernel summed its own shard, so the shards' sums leave the manual region
+        along a new batch axis and are added up outside it, where XLA can all-reduce them."""
+        import torch_xla.distributed.spmd as xs
+
+        if role == "d_sinks":
+            local = local[None]
+        spec = self.spec(role)
+        out = xs.disable_manual_sharding(local, spec, self._full_shape(local, spec), mesh=self.mesh).global_tensor
+        return out.sum(0) if role == "d_sinks" else out
 
     def _full_shape(self, t: torch.Tensor, spec) -> torch.Size:
         return torch.Size(d * self.shards(entry) for d, entry in zip(t.shape, spec))
