@@ -23,11 +23,25 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m uv pip install -q --python .venv/bin/python -e '.[test]'
   rm -f .venv/.installed-* && touch "$stamp"
 fi
+# libtpu, for the TPU compile checks only (tests/test_tpu_compile.py, benchmarks/bench_tpu_memory.py):
+# the release torch_xla's `tpu` extra pins (jax_core/mosaic.py), in a folder of its own that only
+# those checks' own processes put on their path, so JAX never takes it for a backend elsewhere.
+install_libtpu() {
+  local release
+  release=$(.venv/bin/python -c 'import runpy; print(runpy.run_path("jax_core/mosaic.py")["PINNED_LIBTPU"])')
+  if [ ! -f ".venv/libtpu/.installed-$release" ]; then
+    echo "[dev.sh] installing libtpu==$release into .venv/libtpu (for the TPU compile checks)" >&2
+    rm -rf .venv/libtpu
+    .venv/bin/python -m pip install -q --no-deps --target .venv/libtpu "libtpu==$release"
+    touch ".venv/libtpu/.installed-$release"
+  fi
+  export TORCH_SPLASH_LIBTPU_DIR="$PWD/.venv/libtpu"
+}
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 cmd="${1:-}"; shift || true
 case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
-  test) exec .venv/bin/python -m pytest "$@" ;;
+  test) install_libtpu; exec .venv/bin/python -m pytest "$@" ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;

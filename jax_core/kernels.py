@@ -159,6 +159,11 @@ class Program:
         if self.no_pairs:
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
+        if self._residual_tree is None:
+            # The residual layout is learnt by tracing the forward; a Program that has not run its
+            # own forward (a backward after the cache evicted the forward's) traces it abstractly.
+            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *args)]
+            jax.eval_shape(self._forward, *structs)
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         inputs = self._residual_sources(q, k, v, sinks, segment_ids)

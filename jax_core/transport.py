@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import mosaic
+
 
 @functools.cache
 def _cpu_device():
@@ -51,15 +53,23 @@ def from_capsule(capsule) -> jax.Array:
     return jax.dlpack.from_dlpack(_Capsule(capsule))
 
 
-def hlo_module(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str) -> bytes:
+def hlo_module(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str,
+               mosaic_version: int | None = None) -> bytes:
     """`fn` at these (shape, dtype name) arguments, lowered for `platform` ("cpu" or "tpu") to a
     serialized HLO module: what torch_xla splices into its lazy graph.
 
     Lowering names its platform instead of asking JAX's default backend: a Mosaic kernel lowered
     for TPU is serialized into its custom call and compiled by XLA where it runs, so JAX needs no
     TPU backend and never opens a TPU that torch_xla owns. keep_unused: the caller passes every
-    argument as a parameter, so none may be pruned.
+    argument as a parameter, so none may be pruned. TPU kernels are serialized at the Mosaic IR
+    version `jax_core.mosaic` decides (`mosaic_version` overrides it, for tests).
     """
     structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
-    lowered = jax.jit(fn, keep_unused=True).trace(*structs).lower(lowering_platforms=(platform,))
+    traced = jax.jit(fn, keep_unused=True).trace(*structs)
+    if platform == "tpu":
+        version = mosaic.ir_version() if mosaic_version is None else mosaic_version
+        with mosaic.serialized_at(version):
+            lowered = traced.lower(lowering_platforms=(platform,))
+    else:
+        lowered = traced.lower(lowering_platforms=(platform,))
     return lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()

@@ -1,0 +1,114 @@
+"""The TPU compiler without a TPU: libtpu compiles ahead of time ("deviceless", as MaxText's
+`train_compile.py` does) for a named topology, and reports the HBM a program needs.
+
+libtpu must be importable and JAX kept on the CPU; `environment(libtpu_dir)` is the environment a
+process needs for that. The test suite and the memory benchmark run it in processes of their own,
+so JAX never takes libtpu for a backend in ordinary runs. Any HLO module compiles the same way:
+torch_splash's programs as the in-graph transport hands them to torch_xla, and whole torch_xla
+training steps (`torch_xla._XLAC._get_xla_tensors_hlo` text, through `hlo_module_from_text`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+
+import numpy as np
+
+# Without these, libtpu looks for a TPU VM's metadata server and its worker host names.
+_LIBTPU_SETTINGS = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+    "JAX_PLATFORMS": "cpu",
+}
+# One host's chips: libtpu refuses a topology smaller than a host (v5e:1x1).
+TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1"}
+GiB = 1 << 30
+
+
+def environment(libtpu_dir: str, base: dict | None = None) -> dict:
+    """The environment of a process that compiles for TPU with the libtpu in `libtpu_dir`."""
+    env = dict(os.environ if base is None else base)
+    env.update(_LIBTPU_SETTINGS)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_dir, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@functools.cache
+def devices(generation: str) -> tuple:
+    """The TPU devices of one host of `generation` ("v5e", "v6e", ...), for compiling only."""
+    from jax.experimental import topologies
+
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The TPU compiler's memory analysis of one executable, per device, in bytes."""
+
+    arguments: int
+    outputs: int
+    temp: int
+    aliased: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        """HBM the step needs: arguments, outputs (less what they alias) and temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temp
+
+
+class OutOfMemory(Exception):
+    """The compiler refused the program for HBM: `used` of `capacity` bytes."""
+
+    def __init__(self, message: str, used: float, capacity: float):
+        super().__init__(message)
+        self.used, self.capacity = used, capacity
+
+
+_OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
+    """Compile a serialized HLO module for `partitions` devices of `generation` (SPMD-partitioned
+    by its sharding annotations when more than one). Raises OutOfMemory when it does not fit in
+    HBM, and the compiler's own error for anything else it refuses."""
+    from jax._src.lib import xla_client
+
+    targets = devices(generation)[:partitions]
+    module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = 1, partitions
+    build.use_spmd_partitioning = partitions > 1
+    build.device_assignment = xla_client.DeviceAssignment.create(np.arange(partitions, dtype=np.int32)[None])
+    try:
+        executable = targets[0].client.compile(module, xla_client.DeviceList(targets), options)
+    except Exception as error:  # the compiler's XlaRuntimeError
+        used = _OOM.search(str(error))
+        if used is None:
+            raise
+        raise OutOfMemory(str(error).split("\n")[0], float(used[1]) * _UNITS[used[2]],
+                          float(used[3]) * _UNITS[used[4]]) from None
+    stats = executable.get_compiled_memory_stats()
+    return Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
+                  stats.alias_size_in_bytes, stats.generated_code_size_in_bytes)
+
+
+def compile_program(fn, args, generation: str, mosaic_version: int | None = None) -> Memory:
+    """A jitted JAX function at (shape, dtype name) arguments, lowered for TPU exactly as the
+    in-graph transport hands it to torch_xla, then compiled for one chip of `generation`."""
+    from .transport import hlo_module
+
+    return compile_hlo(hlo_module(fn, args, "tpu", mosaic_version), generation)
+
+
+def hlo_text_to_proto(text: str) -> bytes:
+    """HLO text (what torch_xla prints for a pending graph) as a serialized module."""
+    from jax._src.lib import xla_client
+
+    return xla_client._xla.hlo_module_from_text(text).as_serialized_hlo_module_proto()

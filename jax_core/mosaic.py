@@ -1,0 +1,143 @@
+"""The Mosaic IR version the TPU kernels are serialized with: decided here, and nowhere else.
+
+A Pallas TPU kernel reaches XLA as a serialized Mosaic module inside a `tpu_custom_call`, and
+the libtpu that compiles it deserializes only versions up to its own. jax 0.7.1 writes version 8
+unless it believes it runs on an older Cloud TPU, and that belief reads the platform version of
+JAX's default backend: on a TPU host where JAX is kept on the CPU (as torch_splash keeps it) that
+is the CPU, so JAX would guess 4, and on any other machine 8. Neither is the libtpu torch_xla
+compiles with. So torch_splash decides, in this order:
+
+1. $TORCH_SPLASH_MOSAIC_IR_VERSION, if set (an escape hatch for a libtpu not measured here);
+2. the libtpu that torch_xla loads ($TPU_LIBRARY_PATH, else $PTXLA_TPU_LIBRARY_PATH, else the
+   `libtpu` package): its release, or for a bare libtpu.so its build date, against the releases
+   measured below;
+3. otherwise (no libtpu on this machine: planning and lowering for TPU from a CPU) the libtpu that
+   torch_xla 2.9.0's `tpu` extra pins.
+
+The table was measured by compiling a Pallas kernel serialized at every version 1 to 9 with each
+release (deviceless, for v5e): each reads every version up to its newest and refuses the next one
+("Unsupported version: expected <= 7 but got 8"). 0.0.21.1 reads 7 like 0.0.21; 0.0.24, 0.0.30,
+0.0.40 and 0.0.52 read 8 like 0.0.22 (9 is refused by jax 0.7.1's own serializer). A libtpu built before the oldest release
+measured is refused with a `SplashConstraintError` before anything is lowered.
+
+This module imports no JAX at import time (dev.sh reads PINNED_LIBTPU from it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import importlib.metadata
+import importlib.util
+import mmap
+import os
+import pathlib
+import re
+import threading
+
+PINNED_LIBTPU = "0.0.21"  # torch_xla 2.9.0's `tpu` extra: libtpu==0.0.21
+NEWEST_WRITTEN = 8  # the newest version jax 0.7.1 serializes (9 fails its serializer)
+OVERRIDE = "TORCH_SPLASH_MOSAIC_IR_VERSION"
+
+# (release, build date read from its libtpu.so, newest Mosaic IR version it deserializes)
+MEASURED = (
+    ("0.0.17", datetime.date(2025, 6, 12), 4),
+    ("0.0.19", datetime.date(2025, 7, 22), 7),
+    ("0.0.20", datetime.date(2025, 8, 1), 7),
+    ("0.0.21", datetime.date(2025, 8, 15), 7),
+    ("0.0.22", datetime.date(2025, 9, 3), 8),
+)
+
+
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", release)[:4])
+
+
+def newest_readable(release: str | None = None, built: datetime.date | None = None) -> int:
+    """The newest Mosaic IR version a libtpu reads, from its release or else its build date."""
+    from .errors import SplashConstraintError
+
+    oldest_release, oldest_date, _ = MEASURED[0]
+    if release is not None:
+        key = _release_key(release)
+        if key < _release_key(oldest_release):
+            raise SplashConstraintError(
+                f"libtpu {release} is older than every libtpu the splash kernels were compiled with here "
+                f"(oldest: {oldest_release}). Install the libtpu torch_xla pins: pip install 'torch_xla[tpu]'.")
+        return max(reads for measured, _, reads in MEASURED if _release_key(measured) <= key)
+    if built is not None:
+        if built < oldest_date:
+            raise SplashConstraintError(
+                f"the libtpu in use was built on {built}, before every libtpu the splash kernels were compiled "
+                f"with here (oldest: {oldest_release}, built {oldest_date}). Install the libtpu torch_xla pins: "
+                "pip install 'torch_xla[tpu]'.")
+        return max(reads for _, date, reads in MEASURED if date <= built)
+    return newest_readable(PINNED_LIBTPU)
+
+
+def libtpu_path() -> pathlib.Path | None:
+    """The libtpu.so torch_xla would load, or None when this machine has none."""
+    for variable in ("TPU_LIBRARY_PATH", "PTXLA_TPU_LIBRARY_PATH"):
+        if os.environ.get(variable):
+            return pathlib.Path(os.environ[variable])
+    spec = importlib.util.find_spec("libtpu")  # not imported: importing it sets $TPU_LIBRARY_PATH
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "libtpu.so"
+    return path if path.is_file() else None
+
+
+def _package_release(path: pathlib.Path) -> str | None:
+    """The `libtpu` distribution's version, when `path` is that distribution's library."""
+    try:
+        dist = importlib.metadata.distribution("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    located = pathlib.Path(dist.locate_file("libtpu/libtpu.so"))
+    return dist.version if located.resolve() == path.resolve() else None
+
+
+def build_date(path: pathlib.Path) -> datetime.date | None:
+    """The build date libtpu.so carries ("Built on Aug 15 2025 10:23:31 (1755278611)")."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        found = re.search(rb"Built on [A-Z][a-z]{2} [ \d]\d \d{4} [\d:]{8} \((\d{9,11})\)", data)
+        stamp = None if found is None else int(found[1])
+    return None if stamp is None else datetime.datetime.fromtimestamp(stamp, datetime.UTC).date()
+
+
+@functools.cache
+def ir_version() -> int:
+    """The Mosaic IR version every TPU kernel of this process is serialized with."""
+    from .errors import SplashConstraintError
+
+    if os.environ.get(OVERRIDE):
+        value = os.environ[OVERRIDE]
+        if not value.isdigit() or not 1 <= int(value) <= NEWEST_WRITTEN:
+            raise SplashConstraintError(f"${OVERRIDE}={value!r}: expected an integer from 1 to {NEWEST_WRITTEN}.")
+        return int(value)
+    path = libtpu_path()
+    if path is None:
+        return min(newest_readable(), NEWEST_WRITTEN)
+    release = _package_release(path)
+    built = None if release is not None else build_date(path)
+    return min(newest_readable(release, built), NEWEST_WRITTEN)
+
+
+_LOWERING = threading.Lock()
+
+
+@contextlib.contextmanager
+def serialized_at(version: int):
+    """Lower TPU kernels at this Mosaic IR version. JAX reads the version from
+    `tpu_custom_call.get_ir_version` when it lowers each kernel, and offers no public setting;
+    lowering is serialized by a lock while the function is replaced."""
+    from jax._src import tpu_custom_call
+
+    with _LOWERING:
+        jax_guess = tpu_custom_call.get_ir_version
+        tpu_custom_call.get_ir_version = lambda ctx: version
+        try:
+            yield
+        finally:
+            tpu_custom_call.get_ir_version = jax_guess

@@ -1,0 +1,180 @@
+"""Run by tests/test_tpu_compile.py in processes of its own, with libtpu importable
+(`jax_core.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
+torch_xla. Prints one JSON line per result.
+
+    programs GEN[,GEN...]   JSON case list on stdin: each case's forward, backward and infer
+                            programs, lowered once as the in-graph transport lowers them, compiled
+                            for one chip of each generation. A case may name "mosaic_version".
+    step                    the HLO of a torch_xla training step of a small transformer (forward,
+                            loss, backward, SGD update) with the kernels planned for TPU, compiled
+                            for one v5e chip, next to the same step with torch's SDPA.
+    spmd-step               the same step over a (2, 2) mesh, batch and heads sharded, compiled
+                            for the 4 chips of v5e:2x2 with its sharding.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def _emit(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+
+
+def program_args(plan, kind: str) -> tuple:
+    """(shape, dtype) of a program's arguments, in the order the bridge passes them."""
+    b, hq, hkv, dt = plan.batch, plan.num_q_heads, plan.num_kv_heads, plan.dtype
+    args = [((b, hq, plan.q_len, plan.head_dim), dt), ((b, hkv, plan.kv_len, plan.head_dim), dt),
+            ((b, hkv, plan.kv_len, plan.head_dim_v), dt)]
+    if plan.has_segment_ids:
+        args += [((b, plan.q_len), "int32"), ((b, plan.kv_len), "int32")]
+    if plan.has_sinks:
+        args += [((hq,), "float32")]
+    if kind == "backward":
+        out = ((b, hq, plan.q_len, plan.head_dim_v), dt)
+        args += [out, ((b, hq, plan.q_len_padded), "float32"), out]
+    return tuple(args)
+
+
+def case_plan(case: dict):
+    import numpy as np
+
+    import jax_core
+    from jax_core import masks
+
+    mask = case["mask"]
+    if mask == "dense":
+        rng = np.random.default_rng(0)
+        mask = jax_core.DenseMask(rng.random((case["q_len"], case["kv_len"])) > 0.3)
+    else:
+        mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
+    blocks = case.get("blocks")
+    return jax_core.plan(
+        batch=case.get("batch", 1), num_q_heads=case["hq"], num_kv_heads=case["hkv"], q_len=case["q_len"],
+        kv_len=case["kv_len"], head_dim=case["d"], head_dim_v=case.get("dv", case["d"]), dtype=case["dtype"],
+        mask=mask, scale=case.get("scale", case["d"] ** -0.5), soft_cap=case.get("soft_cap"),
+        has_segment_ids=case.get("segment_ids", False), has_sinks=case.get("sinks", False),
+        block_sizes=None if blocks is None else jax_core.BlockSizes(**blocks), platform="tpu")
+
+
+def programs(generations: list[str], cases: list[dict]) -> None:
+    import jax_core
+    from jax_core import aot
+    from jax_core.transport import hlo_module
+
+    for case in cases:
+        plan = case_plan(case)
+        program = jax_core.program(plan)
+        for kind in ("forward", "backward", "infer"):
+            start = time.perf_counter()
+            try:
+                proto = hlo_module(getattr(program, kind), program_args(plan, kind), "tpu", case.get("mosaic_version"))
+            except Exception as exc:
+                _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
+                continue
+            lowered = time.perf_counter() - start
+            for generation in generations:
+                start = time.perf_counter()
+                try:
+                    memory = aot.compile_hlo(proto, generation)
+                    _emit(case=case["name"], kind=kind, generation=generation, bytes=memory.total,
+                          temp=memory.temp, lower_s=round(lowered, 2), compile_s=round(time.perf_counter() - start, 2),
+                          mosaic_calls=proto.count(b"tpu_custom_call"))
+                except Exception as exc:
+                    _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))
+
+
+def _tiny_model_step(device, attention, mesh=None):
+    """One training step of a 2-layer GQA transformer on `device`, left pending in the lazy graph:
+    the tensors the step updates (the parameters)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dim, heads, kv_heads, layers, vocab, length, batch = 256, 4, 2, 2, 128, 512, 4
+    head_dim = dim // heads
+    model = nn.ModuleDict({
+        "embed": nn.Embedding(vocab, dim),
+        "qkv": nn.ModuleList(nn.Linear(dim, (heads + 2 * kv_heads) * head_dim) for _ in range(layers)),
+        "proj": nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers)),
+        "head": nn.Linear(dim, vocab),
+    }).to(device)
+    tokens = torch.randint(0, vocab, (batch, length + 1)).to(device)
+    x = model["embed"](tokens[:, :-1])
+    for qkv, proj in zip(model["qkv"], model["proj"]):
+        q, k, v = qkv(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = (t.view(batch, length, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+        x = x + proj(attention(q, k, v).transpose(1, 2).reshape(batch, length, dim))
+    loss = F.cross_entropy(model["head"](x).flatten(0, 1), tokens[:, 1:].flatten())
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    loss.backward()
+    opt.step()
+    return params + [loss]
+
+
+def step(spmd: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+
+    import torch_splash
+    from jax_core import aot
+    from torch_splash import _transport
+
+    _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
+    device = torch_xla.device()
+    mesh, spec = None, None
+    if spmd:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+        spec = ("data", "model", None, None)
+
+    def splash(q, k, v):
+        return torch_splash.attention(q, k, v, "causal", partition_spec=spec, mesh=mesh)
+
+    def sdpa(q, k, v):
+        if spmd:
+            import torch_xla.distributed.spmd as xs
+
+            for t in (q, k, v):
+                xs.mark_sharding(t, mesh, spec)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    for name, attention in (("splash", splash), ("sdpa", sdpa)):
+        tensors = _tiny_model_step(device, attention)
+        text = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+        try:
+            memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
+            _emit(step=name, spmd=spmd, bytes=memory.total, temp=memory.temp,
+                  mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
+                  sharded=text.count("sharding={devices=["))
+        except Exception as exc:
+            _emit(step=name, spmd=spmd, error=_error(exc))
+        del tensors  # never executed: a Mosaic call cannot run on the CPU
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "programs":
+        programs(sys.argv[2].split(","), json.load(sys.stdin))
+    elif mode == "step":
+        step(spmd=False)
+    elif mode == "spmd-step":
+        os.environ["CPU_NUM_DEVICES"] = "4"
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        step(spmd=True)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
