@@ -32,6 +32,16 @@ _TARGETS = {
     "tpu": dict(block=512, compute=512, fused=False),
 }
 
+# A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (jax_core.aot):
+# every kernel compiled whose block_q x block_kv x max(head_dim, 128) was at most 2**28 (2048 x 1024
+# and 1024 x 2048 at head_dim 128; 1024 x 1024 at 256; 512 x 512 at 512), and every one above it
+# was refused ("Ran out of memory in memory space vmem": 2048 x 2048 at 128; 1024 x 2048 and
+# 2048 x 1024 at 256; the dkv kernel at 1024 x 1024 and head_dim 512). The kv compute block did
+# not matter (2048 x 2048 failed with compute blocks of 512).
+VMEM_BUDGET = 1 << 28
+_KERNEL_BLOCKS = (("forward", "block_q", "block_kv"), ("dq", "block_q_dq", "block_kv_dq"),
+                  ("dkv", "block_q_dkv", "block_kv_dkv"))
+
 _KV_FIELDS = ("block_kv", "block_kv_compute", "block_kv_dq", "block_kv_dkv", "block_kv_dkv_compute")
 _Q_BWD_FIELDS = ("block_q_dq", "block_q_dkv")
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
@@ -168,8 +178,29 @@ def _fit_compute(block: int, compute: int) -> int:
     return compute if block % compute == 0 else math.gcd(block, compute)
 
 
+def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int) -> None:
+    """Halve planned blocks of a TPU kernel until it fits VMEM; explicit blocks that do not fit
+    are the caller's to change."""
+    width = max(head_dim, LANES)
+    for kernel, q_name, kv_name in _KERNEL_BLOCKS:
+        if q_name not in blocks:
+            continue
+        while blocks[q_name] * blocks[kv_name] * width > VMEM_BUDGET:
+            planned = [n for n in (kv_name, q_name) if getattr(user, n) is None and blocks[n] > LANES]
+            if not planned:
+                given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name))
+                raise SplashConstraintError(
+                    f"{given}: the {kernel} kernel's blocks at head_dim {head_dim} do not fit the "
+                    f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28 (the TPU compiler "
+                    "refuses larger ones; e.g. 2048 x 1024 at head_dim 128, 1024 x 1024 at 256). Use smaller "
+                    "blocks, or leave them None to have them planned.")
+            name = max(planned, key=lambda n: blocks[n])
+            blocks[name] //= 2
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str) -> tuple[int, int, tuple]:
+def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str,
+                head_dim: int = LANES) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
     target = _TARGETS[platform]
@@ -186,6 +217,8 @@ def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str) -> tup
     kv_names = ("block_kv", "block_kv_dkv") + (() if fused else ("block_kv_dq",))
     blocks = {n: block(n, q128) for n in q_names}
     blocks.update({n: block(n, kv128) for n in kv_names})
+    if platform == "tpu":
+        _fit_vmem(blocks, user, head_dim)
     for b, c in (("block_kv", "block_kv_compute"), ("block_kv_dkv", "block_kv_dkv_compute")):
         given = getattr(user, c)
         blocks[c] = _fit_compute(blocks[b], target["compute"] if given is None else given)
@@ -227,7 +260,7 @@ def plan(
     mask.check(num_q_heads, q_len, kv_len)
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
-    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform)
+    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v))
     return Plan(
         batch=batch,
         num_q_heads=num_q_heads,

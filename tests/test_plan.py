@@ -1,10 +1,11 @@
 """The planner: for any lengths and any valid caller blocks, every kernel constraint holds."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_core
-from jax_core.plan import LANES, plan_blocks
+from jax_core.plan import LANES, VMEM_BUDGET, plan_blocks
 
 lengths = st.integers(1, 70_000)
 maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
@@ -24,10 +25,20 @@ def user_blocks(draw):
 
 
 @settings(max_examples=400, deadline=None)
-@given(q_len=lengths, kv_len=lengths, user=user_blocks(), platform=st.sampled_from(["cpu", "tpu"]))
-def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform):
-    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform)
+@given(q_len=lengths, kv_len=lengths, user=user_blocks(), platform=st.sampled_from(["cpu", "tpu"]),
+       head_dim=st.sampled_from([64, 128, 256, 512]))
+def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform, head_dim):
+    try:
+        q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
+    except jax_core.SplashConstraintError as refused:
+        # only on TPU, only for explicit blocks too large for VMEM (after clamping to the lengths)
+        assert platform == "tpu" and "do not fit the TPU's VMEM" in str(refused)
+        return
     b = dict(blocks)
+    if platform == "tpu":
+        for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
+            if q_name in b:
+                assert b[q_name] * b[kv_name] * max(head_dim, LANES) <= VMEM_BUDGET
     assert q_pad >= q_len and kv_pad >= kv_len and q_pad % LANES == 0 and kv_pad % LANES == 0
     q_names = ["block_q", "block_q_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_q_dq"])
     kv_names = ["block_kv", "block_kv_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_kv_dq"])
@@ -54,3 +65,19 @@ def test_planned_blocks_prefer_large_sizes():
     assert dict(blocks)["block_q"] == dict(blocks)["block_kv"] == 512
     assert plan_blocks(1, 1, jax_core.BlockSizes(), "cpu")[:2] == (128, 128)
     assert plan_blocks(1000, 1000, jax_core.BlockSizes(), "cpu")[:2] == (1024, 1024)
+
+
+def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
+    # explicit: refused before any JAX work, naming the caller's fields (the TPU compiler's limit)
+    with pytest.raises(jax_core.SplashConstraintError,
+                       match=r"block_sizes.block_q=2048, block_sizes.block_kv=2048: the forward kernel's blocks"):
+        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=2048), "tpu", 128)
+    with pytest.raises(jax_core.SplashConstraintError, match=r"block_q_dkv=1024, block_sizes.block_kv_dkv=1024"):
+        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dkv=1024, block_kv_dkv=1024), "tpu", 512)
+    # at the edge it is allowed (tests/test_tpu_compile.py compiles it), and the CPU has no VMEM rule
+    plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=1024), "tpu", 128)
+    plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=2048), "cpu", 128)
+    # planned blocks shrink for very large head dims
+    blocks = dict(plan_blocks(4096, 4096, jax_core.BlockSizes(), "tpu", 2048)[2])
+    for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
+        assert blocks[q_name] * blocks[kv_name] * 2048 <= 1 << 28

@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 from jax_core import aot, mosaic
@@ -52,6 +54,11 @@ DEFAULT = [
     _case("explicit-blocks-1024", 4, 2, 2048, 2048, 256, "float32", "CausalMask(0)",
           blocks=dict(block_q=1024, block_kv=1024, block_kv_compute=1024, block_q_dkv=1024, block_kv_dkv=1024,
                       block_kv_dkv_compute=1024, block_q_dq=1024, block_kv_dq=1024)),
+    # the VMEM rule's edge (jax_core/plan.py): block_q x block_kv x max(head_dim, 128) == 2**28
+    _case("explicit-blocks-2048x1024", 4, 2, 4096, 4096, 128, "bfloat16", "CausalMask(0)",
+          blocks=dict(block_q=2048, block_kv=1024, block_q_dq=2048, block_kv_dq=1024, block_q_dkv=1024,
+                      block_kv_dkv=2048)),
+    _case("head-dim-512-planned", 2, 1, 1024, 1024, 512, "float32", "CausalMask(0)"),
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1.
     _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
@@ -67,26 +74,34 @@ FULL = [
 ]
 
 
-def _worker(*args, stdin=None, timeout=1800) -> list[dict]:
+def _environment() -> dict:
     if not (LIBTPU / "libtpu" / "libtpu.so").is_file():
         pytest.fail(f"libtpu is not installed in {LIBTPU}: ./dev.sh test installs libtpu=={mosaic.PINNED_LIBTPU} there "
                     "(or set TORCH_SPLASH_LIBTPU_DIR to a folder holding it).")
     env = aot.environment(str(LIBTPU))
     env["PYTHONPATH"] = os.pathsep.join([str(LIBTPU), str(ROOT), str(ROOT / "tests")])
+    return env
+
+
+def _worker(*args, stdin=None, timeout=1800) -> list[dict]:
     done = subprocess.run([sys.executable, str(WORKER), *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=_environment())
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+def _lines(cases) -> str:
+    return "\n".join(json.dumps(case) for case in cases) + "\n"
+
+
 def _by_key(results):
-    return {(r["case"], r["kind"], r["generation"]): r for r in results}
+    return {(r["case"], r["kind"], r["generation"]): r for r in results if "case" in r}
 
 
 @pytest.fixture(scope="module")
 def default_results():
     cases = DEFAULT + [dict(DEFAULT[0], name="jax-default-version-8", scale=0.1, mosaic_version=8)]
-    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=json.dumps(cases)))
+    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases)))
 
 
 def _expected_mosaic_calls(case, kind):
@@ -95,7 +110,8 @@ def _expected_mosaic_calls(case, kind):
 
 
 def _assert_compiled(results, case, kind, generation):
-    result = results.get((case["name"], kind, generation)) or results.get((case["name"], kind, None))
+    result = (results.get((case["name"], kind, generation)) or results.get((case["name"], kind, None))
+              or results.get((case["name"], "plan", None)))
     assert result is not None, f"no result for {case['name']} {kind} {generation}"
     assert "error" not in result, result["error"]
     assert result["mosaic_calls"] == _expected_mosaic_calls(case, kind)
@@ -141,7 +157,7 @@ def test_spmd_training_step_compiles_for_a_4_chip_mesh():
 
 @pytest.fixture(scope="module")
 def full_results():
-    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=json.dumps(FULL), timeout=5400))
+    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(FULL), timeout=5400))
 
 
 @pytest.mark.slow
@@ -150,3 +166,41 @@ def full_results():
 @pytest.mark.parametrize("case", FULL, ids=[c["name"] for c in FULL])
 def test_full_matrix_compiles_for_tpu(full_results, case, kind, generation):
     _assert_compiled(full_results, case, kind, generation)
+
+
+@pytest.fixture(scope="module")
+def compile_one():
+    """A worker that compiles one case at a time for v5e, for hypothesis to drive."""
+    worker = subprocess.Popen([sys.executable, str(WORKER), "programs", "v5e"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=_environment())
+
+    def compile_case(case: dict) -> list[dict]:
+        worker.stdin.write(json.dumps(case) + "\n")
+        worker.stdin.flush()
+        results = []
+        for line in worker.stdout:
+            if line.startswith("{"):
+                result = json.loads(line)
+                if result.get("done") == case["name"]:
+                    return results
+                results.append(result)
+        raise AssertionError(f"the compile worker stopped during {case['name']} (exit {worker.wait()})")
+
+    yield compile_case
+    worker.stdin.close()
+    worker.wait(timeout=60)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=60, deadline=None, derandomize=True,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(
+    heads=st.sampled_from([(4, 4), (8, 2), (4, 1)]), q_len=st.integers(1, 9000), kv_len=st.integers(1, 9000),
+    d=st.sampled_from([64, 80, 96, 128, 192, 256]), dtype=st.sampled_from(["bfloat16", "float32"]),
+    mask=st.sampled_from(["FullMask()", "CausalMask(0)", "LocalMask(300, 0)", "ChunkedCausalMask(1000)"]),
+    segment_ids=st.booleans())
+def test_the_planner_s_choices_always_compile(compile_one, heads, q_len, kv_len, d, dtype, mask, segment_ids):
+    case = _case(f"hyp-{heads}-{q_len}x{kv_len}-d{d}-{dtype}-{mask}-{segment_ids}", *heads, q_len, kv_len, d, dtype,
+                 mask, segment_ids=segment_ids)
+    results = compile_one(case)
+    assert len(results) == 3 and not [r for r in results if "error" in r], results

@@ -2,9 +2,10 @@
 (`jax_core.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
 torch_xla. Prints one JSON line per result.
 
-    programs GEN[,GEN...]   JSON case list on stdin: each case's forward, backward and infer
-                            programs, lowered once as the in-graph transport lowers them, compiled
-                            for one chip of each generation. A case may name "mosaic_version".
+    programs GEN[,GEN...]   one JSON case per line on stdin: each case's forward, backward and
+                            infer programs, lowered once as the in-graph transport lowers them,
+                            compiled for one chip of each generation, then a line {"done": name}.
+                            A case may name "mosaic_version".
     step                    the HLO of a torch_xla training step of a small transformer (forward,
                             loss, backward, SGD update) with the kernels planned for TPU, compiled
                             for one v5e chip, next to the same step with torch's SDPA.
@@ -64,34 +65,45 @@ def case_plan(case: dict):
         block_sizes=None if blocks is None else jax_core.BlockSizes(**blocks), platform="tpu")
 
 
-def programs(generations: list[str], cases: list[dict]) -> None:
+def programs(generations: list[str], lines) -> None:
+    for line in lines:
+        if line.strip():
+            case = json.loads(line)
+            compile_case(case, generations)
+            _emit(done=case["name"])
+
+
+def compile_case(case: dict, generations: list[str]) -> None:
     import jax_core
     from jax_core import aot
     from jax_core.transport import hlo_module
 
-    for case in cases:
+    try:
         plan = case_plan(case)
-        program = jax_core.program(plan)
-        for kind in ("forward", "backward", "infer"):
+    except Exception as exc:  # a refusal before any JAX work (the planner's own rules)
+        _emit(case=case["name"], kind="plan", generation=None, error=_error(exc))
+        return
+    program = jax_core.program(plan)
+    for kind in ("forward", "backward", "infer"):
+        start = time.perf_counter()
+        try:
+            proto = hlo_module(getattr(program, kind), program_args(plan, kind), "tpu", case.get("mosaic_version"))
+        except Exception as exc:
+            _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
+            continue
+        lowered = time.perf_counter() - start
+        for generation in generations:
             start = time.perf_counter()
             try:
-                proto = hlo_module(getattr(program, kind), program_args(plan, kind), "tpu", case.get("mosaic_version"))
+                memory = aot.compile_hlo(proto, generation)
+                _emit(case=case["name"], kind=kind, generation=generation, bytes=memory.total, temp=memory.temp,
+                      lower_s=round(lowered, 2), compile_s=round(time.perf_counter() - start, 2),
+                      mosaic_calls=proto.count(b"tpu_custom_call"), blocks=dict(plan.blocks))
             except Exception as exc:
-                _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
-                continue
-            lowered = time.perf_counter() - start
-            for generation in generations:
-                start = time.perf_counter()
-                try:
-                    memory = aot.compile_hlo(proto, generation)
-                    _emit(case=case["name"], kind=kind, generation=generation, bytes=memory.total,
-                          temp=memory.temp, lower_s=round(lowered, 2), compile_s=round(time.perf_counter() - start, 2),
-                          mosaic_calls=proto.count(b"tpu_custom_call"))
-                except Exception as exc:
-                    _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))
+                _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))
 
 
-def _tiny_model_step(device, attention, mesh=None):
+def _tiny_model_step(device, attention):
     """One training step of a 2-layer GQA transformer on `device`, left pending in the lazy graph:
     the tensors the step updates (the parameters)."""
     import torch
@@ -167,7 +179,7 @@ def step(spmd: bool) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "programs":
-        programs(sys.argv[2].split(","), json.load(sys.stdin))
+        programs(sys.argv[2].split(","), sys.stdin)
     elif mode == "step":
         step(spmd=False)
     elif mode == "spmd-step":

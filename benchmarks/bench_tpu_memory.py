@@ -1,0 +1,139 @@
+"""HBM per training step on TPU, from the TPU compiler itself (libtpu, deviceless: no TPU needed).
+
+One training step of an attention block (x -> q, k, v projections -> causal attention -> output
+projection -> loss -> backward -> SGD update; B=1, 16 query heads, 8 kv heads, head_dim 128,
+bf16) is built in torch_xla's lazy graph on its CPU device, with torch_splash (kernels planned
+and lowered for TPU) and with torch's SDPA as torch_xla runs it without torch_splash. The graph's
+HLO is compiled for one chip of each generation; the compiler's memory analysis gives arguments
++ outputs + temporaries per chip, and a step that does not fit is refused by the compiler with
+the HBM it would need. Then the largest L (a multiple of 1024) each fits in one chip.
+
+    ./dev.sh bench-tpu-memory            # L = 2K, 8K, 32K, 128K on v5e and v6e, and the largest L
+    ./dev.sh bench-tpu-memory --quick    # L = 2K on v5e only (the test suite runs this)
+
+Writes benchmarks/results/tpu_memory.json (or tpu_memory_quick.json).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+GiB = 1 << 30
+
+
+def _libtpu_dir() -> str:
+    return os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu"))
+
+
+def step_hlo(length: int, use_splash: bool) -> str:
+    """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph."""
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+
+    import torch_splash
+
+    device = torch_xla.device()
+    dim = HEADS * HEAD_DIM
+    torch.manual_seed(0)
+    w_qkv = torch.randn(dim, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16).to(device).requires_grad_()
+    w_out = torch.randn(dim, dim, dtype=torch.bfloat16).to(device).requires_grad_()
+    x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
+    q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+    if use_splash:
+        out = torch_splash.attention(q, k, v, "causal")
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    loss = (out.transpose(1, 2).reshape(1, length, dim) @ w_out).float().square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for w in (w_qkv, w_out):
+            w -= 0.1 * w.grad
+    return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
+
+
+def measure(length: int, use_splash: bool, generation: str) -> dict:
+    from jax_core import aot
+
+    proto = aot.hlo_text_to_proto(step_hlo(length, use_splash))
+    try:
+        memory = aot.compile_hlo(proto, generation)
+        return dict(fits=True, bytes=memory.total, temp=memory.temp)
+    except aot.OutOfMemory as oom:
+        return dict(fits=False, bytes=oom.used, capacity=oom.capacity)
+
+
+def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -> int:
+    """The largest multiple of 1024 up to `limit` whose step fits (doubling, then bisection)."""
+    low, high = 0, None
+    length = start
+    while high is None and length <= limit:
+        if measure(length, use_splash, generation)["fits"]:
+            low, length = length, length * 2
+        else:
+            high = length
+    high = high or limit + 1024
+    while high - low > 1024:
+        middle = (low + high) // 2 // 1024 * 1024
+        if measure(middle, use_splash, generation)["fits"]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def run(quick: bool) -> dict:
+    from jax_core import aot, mosaic
+
+    from torch_splash import _transport
+
+    _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
+    generations = ["v5e"] if quick else ["v5e", "v6e"]
+    lengths = [2048] if quick else [2048, 8192, 32768, 131072]
+    rows = []
+    for generation in generations:
+        for length in lengths:
+            for name in ("splash", "sdpa"):
+                start = time.perf_counter()
+                result = measure(length, name == "splash", generation)
+                rows.append(dict(generation=generation, L=length, impl=name, **result,
+                                 seconds=round(time.perf_counter() - start, 1)))
+                print(json.dumps(rows[-1]), flush=True)
+    largest = {}
+    if not quick:
+        for generation in generations:
+            for name in ("splash", "sdpa"):
+                largest[f"{generation}/{name}"] = largest_fitting(name == "splash", generation, 8192, 1 << 20)
+                print(generation, name, "largest L:", largest[f"{generation}/{name}"], flush=True)
+    return dict(
+        shape=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16", mask="causal"),
+        libtpu=mosaic.PINNED_LIBTPU, mosaic_ir_version=mosaic.ir_version(), topologies=aot.TOPOLOGIES,
+        machine=f"{platform.machine()}, {os.cpu_count()} cores (compiling only)", rows=rows, largest=largest)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="L=2K on v5e only")
+    args = parser.parse_args()
+    if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
+        from jax_core import aot
+
+        env = aot.environment(_libtpu_dir())
+        env["PJRT_DEVICE"] = "CPU"
+        sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env))
+    result = run(args.quick)
+    out = ROOT / "benchmarks" / "results" / ("tpu_memory_quick.json" if args.quick else "tpu_memory.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
