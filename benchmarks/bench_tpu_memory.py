@@ -68,7 +68,7 @@ def measure(length: int, use_splash: bool, generation: str) -> dict:
         memory = aot.compile_hlo(proto, generation)
         return dict(fits=True, bytes=memory.total, temp=memory.temp)
     except aot.OutOfMemory as oom:
-        return dict(fits=False, bytes=oom.used, capacity=oom.capacity)
+        return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
 
 
 def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -> int:

@@ -1,6 +1,6 @@
 """The JAX side of torch_splash: block planning, masks and the splash programs. Never imports torch."""
 
-from .errors import SplashConstraintError, SplashDtypeError
+from .errors import SplashConstraintError, SplashDtypeError, SplashError
 from .kernels import TRACES, Program, program
 from .masks import (
     ChunkedCausalMask,
@@ -26,6 +26,7 @@ __all__ = [
     "Program",
     "SplashConstraintError",
     "SplashDtypeError",
+    "SplashError",
     "TRACES",
     "plan",
     "program",

@@ -64,12 +64,14 @@ class Memory:
 class OutOfMemory(Exception):
     """The compiler refused the program for HBM: `used` of `capacity` bytes."""
 
-    def __init__(self, message: str, used: float, capacity: float):
+    def __init__(self, message: str, used: float, capacity: float, lower_bound: bool = False):
         super().__init__(message)
-        self.used, self.capacity = used, capacity
+        self.used, self.capacity, self.lower_bound = used, capacity, lower_bound
 
 
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+# one buffer larger than HBM: the compiler stops there, so its size is a lower bound of the need
+_OOM_BUFFER = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -89,11 +91,13 @@ def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
     try:
         executable = targets[0].client.compile(module, xla_client.DeviceList(targets), options)
     except Exception as error:  # the compiler's XlaRuntimeError
-        used = _OOM.search(str(error))
-        if used is None:
-            raise
-        raise OutOfMemory(str(error).split("\n")[0], float(used[1]) * _UNITS[used[2]],
-                          float(used[3]) * _UNITS[used[4]]) from None
+        message = str(error).split("\n")[0]
+        used, buffer = _OOM.search(message), _OOM_BUFFER.search(message)
+        if used is not None:
+            raise OutOfMemory(message, float(used[1]) * _UNITS[used[2]], float(used[3]) * _UNITS[used[4]]) from None
+        if buffer is not None:
+            raise OutOfMemory(message, float(buffer[1]), float(buffer[2]), lower_bound=True) from None
+        raise
     stats = executable.get_compiled_memory_stats()
     return Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
                   stats.alias_size_in_bytes, stats.generated_code_size_in_bytes)

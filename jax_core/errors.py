@@ -1,19 +1,25 @@
-"""The one error type for a violated splash constraint.
+"""torch_splash's errors: one base, one subclass per kind of mistake.
 
-It lives here, on the JAX side, because the planner that knows the kernel's rules raises it;
-`torch_splash` re-exports it as its public error type. Pure Python: no JAX import.
+They live here, on the JAX side, because the planner that knows the kernel's rules raises them;
+`torch_splash` re-exports them. Pure Python: no JAX import.
 """
 
 
-class SplashConstraintError(ValueError):
-    """An input or option that the splash kernels cannot serve.
+class SplashError(Exception):
+    """Base of every error torch_splash raises for an input or option it cannot serve. Catch this
+    one to handle them all (`route_sdpa` falls back to torch's SDPA on it)."""
+
+
+class SplashConstraintError(SplashError, ValueError):
+    """An input or option that the splash kernels cannot serve (shapes, lengths, heads, devices,
+    block sizes, masks, options).
 
     Raised before any JAX work. The message names the argument as the caller wrote it, the value,
     the rule it breaks and the nearest valid values or the fix.
     """
 
 
-class SplashDtypeError(TypeError):
+class SplashDtypeError(SplashError, TypeError):
     """Inputs whose dtypes the kernels cannot take (mismatched, integer, or unsupported float).
 
     Raised before any JAX work, naming the arguments, their dtypes and the cast that fixes it.

@@ -111,3 +111,37 @@ def test_tpu_plan_numerics_in_interpret_mode():
     q, k, v = make_qkv(1, 4, 2, 200, 200, 64, 64, torch.float32)
     blocks = torch_splash.BlockSizes(use_fused_bwd_kernel=False)
     assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
+
+
+def _float64_errors(fn, q, k, v, cotangent):
+    """Max abs error of fn's causal output and gradients (in q's dtype) against float64 SDPA on the
+    same inputs."""
+    results = []
+    for dtype in (q.dtype, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        if dtype == torch.float64:
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        else:
+            out = fn(*leaves)
+        (out.double() * cotangent).sum().backward()
+        results.append([out.detach().double()] + [t.grad.double() for t in leaves])
+    return [float((a - b).abs().max()) for a, b in zip(*results)]
+
+
+@pytest.mark.parametrize("heads,length", [((4, 2), 300), ((2, 1), 1000)])
+def test_float16_is_served_at_least_as_accurately_as_sdpa(heads, length):
+    """float16 is computed in float32 and returned in float16: against a float64 reference its
+    output and gradients are no further off than torch SDPA's own float16 results."""
+    q, k, v = make_qkv(2, *heads, length, length, 64, 64, torch.float16)
+    cotangent = torch.randn(q.shape[:-1] + (64,), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = torch_splash.attention(q, k, v, "causal")
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.float16
+    splash = _float64_errors(lambda *t: torch_splash.attention(*t, "causal"), q, k, v, cotangent)
+    sdpa = _float64_errors(lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True,
+                                                                                       enable_gqa=True),
+                           q, k, v, cotangent)
+    for name, mine, theirs in zip(["out", "dq", "dk", "dv"], splash, sdpa):
+        # one float16 rounding of the result (half an ulp) is the floor both share
+        assert mine <= theirs * 1.05 + 1e-6, (name, splash, sdpa)

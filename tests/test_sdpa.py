@@ -164,3 +164,59 @@ def test_route_sdpa_falls_back_with_one_warning():
             model(x)
             model(x)
     assert sum("falling back" in str(w.message) for w in record) == 1
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(23, 56), (1024, 3072), (2048, 2048)])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_objects_are_served_as_causal_masks(q_len, kv_len, variant):
+    """torch's CausalBias has uninitialised storage: read as a mask it is garbage (or, at 2048 x 2048,
+    zero pages: no mask at all). Through the drop-in and through route_sdpa it is the causal mask
+    it names, matching torch's SDPA, which recognises the object."""
+    from torch.nn.attention import bias
+
+    make = getattr(bias, f"causal_{variant}")
+    q, k, v = make_qkv(1, 2, 2, q_len, kv_len, 64, 64, torch.float32)
+    both(q, k, v, attn_mask=make(q_len, kv_len))
+    with torch.no_grad():
+        ref = SDPA(q, k, v, attn_mask=make(q_len, kv_len))
+        with torch_splash.route_sdpa(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # served by splash: no fallback
+            routed = F.scaled_dot_product_attention(q, k, v, attn_mask=make(q_len, kv_len))
+    torch.testing.assert_close(routed, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_a_causal_bias_of_other_lengths_and_other_tensor_subclasses_are_refused():
+    from torch.nn.attention.bias import causal_upper_left
+
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
+    with pytest.raises(SplashConstraintError, match=r"CausalBias for \(Lq, Lkv\) = \(16, 32\)"):
+        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(16, 32))
+
+    class Bias(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    subclass = torch.zeros(16, 16).as_subclass(Bias)
+    with pytest.raises(SplashConstraintError, match="a tensor subclass that overrides torch functions"):
+        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=subclass)
+
+
+def test_route_sdpa_falls_back_to_torch_s_own_sdpa_exactly():
+    """What splash refuses runs torch's function with route_sdpa out of the way: a float bias,
+    dropout (same random stream), and a CausalBias with dropout (torch's CausalBias dispatch,
+    which matches SDPA by identity)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = make_qkv(1, 2, 2, 24, 40, 64, 64, torch.float32)
+    bias = torch.randn(24, 40)
+    cases = [dict(attn_mask=bias), dict(dropout_p=0.3), dict(attn_mask=causal_lower_right(24, 40), dropout_p=0.3)]
+    with torch.no_grad():
+        for kwargs in cases:
+            torch.manual_seed(5)
+            ref = SDPA(q, k, v, **kwargs)
+            torch.manual_seed(5)
+            with torch_splash.route_sdpa(), pytest.warns(UserWarning, match="falling back"):
+                routed = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            assert torch.isfinite(routed).all()
+            torch.testing.assert_close(routed, ref, atol=0, rtol=0)

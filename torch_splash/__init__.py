@@ -31,7 +31,7 @@ def _leave_the_tpu_to_torch_xla() -> None:
 if _os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
     _leave_the_tpu_to_torch_xla()
 
-from jax_core import BlockSizes, SplashConstraintError, SplashDtypeError
+from jax_core import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError
 
 from . import masks
 from .bridge import attention
@@ -41,6 +41,7 @@ __all__ = [
     "BlockSizes",
     "SplashConstraintError",
     "SplashDtypeError",
+    "SplashError",
     "attention",
     "masks",
     "route_sdpa",

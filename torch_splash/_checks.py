@@ -10,9 +10,13 @@ import torch
 
 from jax_core import SplashConstraintError, SplashDtypeError
 
+from . import _transport
 from . import masks as _masks
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# float16 has no kernel of its own (TPUs compute in bfloat16 or float32): it is computed in
+# float32, the more accurate of the two, and the output cast back; autograd casts the gradients.
+_COMPUTED_AS = {torch.float16: torch.float32}
 
 
 @dataclasses.dataclass
@@ -28,6 +32,7 @@ class Call:
     soft_cap: float | None
     unbatched: bool
     sinks: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None  # the caller's dtype, where the kernels compute in another
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -50,17 +55,20 @@ def _check_tensors(q, k, v) -> bool:
         raise SplashConstraintError(
             f"q, k, v are on devices {q.device}, {k.device}, {v.device}: move them to one device."
         )
+    _transport.platform_of(q.device)  # a device the kernels cannot run on is refused here
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.dtype.is_floating_point:
-            raise SplashDtypeError(f"{name} has dtype {t.dtype}: attention needs float32 or bfloat16 inputs.")
+            raise SplashDtypeError(f"{name} has dtype {t.dtype}: attention needs float32, bfloat16 or float16 inputs.")
     if not (q.dtype == k.dtype == v.dtype):
         raise SplashDtypeError(
             f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}: they must match; cast them to one of "
-            "torch.float32 or torch.bfloat16."
+            "torch.float32, torch.bfloat16 or torch.float16."
         )
-    if q.dtype not in _DTYPES:
+    if q.dtype not in _DTYPES and q.dtype not in _COMPUTED_AS:
         raise SplashDtypeError(
-            f"q, k, v have dtype {q.dtype}: the splash kernels take torch.float32 or torch.bfloat16; cast to one."
+            f"q, k, v have dtype {q.dtype}: the splash kernels compute in float32 at most (TPUs have no float64 "
+            "units), so a float64 result would be a float32 one in disguise. Cast to torch.float32 explicitly "
+            "(or torch.bfloat16 / torch.float16)."
         )
     unbatched = q.dim() == 3
     if not unbatched and not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -144,7 +152,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}.")
     if not sinks.dtype.is_floating_point:
-        raise SplashDtypeError(f"sinks has dtype {sinks.dtype}: sinks are logits (float32 or bfloat16).")
+        raise SplashDtypeError(f"sinks has dtype {sinks.dtype}: sinks are logits (a float dtype).")
     if tuple(sinks.shape) != (q.shape[-3],):
         raise SplashConstraintError(
             f"sinks has shape {_shape(sinks)} but must be ({q.shape[-3]},): one logit per query head.")
@@ -164,6 +172,11 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
         ids = (ids[0].unsqueeze(0), ids[1].unsqueeze(0))
     scale = _check_number("scale", scale, positive=False)
     sinks = _check_sinks(sinks, q)
+    out_dtype = None
+    if q.dtype in _COMPUTED_AS:
+        out_dtype, computed = q.dtype, _COMPUTED_AS[q.dtype]
+        q, k, v = q.to(computed), k.to(computed), v.to(computed)
+        sinks = None if sinks is None else sinks.to(computed)
     return Call(
         q=q,
         k=k,
@@ -174,6 +187,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
         soft_cap=_check_number("soft_cap", soft_cap, positive=True),
         unbatched=unbatched,
         sinks=sinks,
+        out_dtype=out_dtype,
     )
 
 

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from jax_core import SplashConstraintError
 from jax_core.transport import from_capsule, hlo_module
 
 
@@ -30,8 +31,6 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
     """The transport for this call: the caller's, else $TORCH_SPLASH_TRANSPORT (for torch_xla
     tensors), else automatic (in-graph on TPU and whenever a torch_xla input is part of a pending
     lazy graph)."""
-    from jax_core import SplashConstraintError
-
     source = "transport"
     if requested is None and os.environ.get("TORCH_SPLASH_TRANSPORT"):
         requested, source = os.environ["TORCH_SPLASH_TRANSPORT"], "$TORCH_SPLASH_TRANSPORT"
@@ -44,9 +43,14 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
                 f"{source}='graph' needs torch_xla tensors; these are on {device}. Use 'dlpack' or leave it unset."
             )
         return "dlpack"
+    on_tpu = platform_of(device) == "tpu"
+    if requested == "dlpack" and on_tpu:
+        raise SplashConstraintError(
+            f"{source}='dlpack' cannot carry TPU buffers (torch_xla and JAX both refuse): use 'graph' or leave it "
+            "unset (in-graph is the default on TPU).")
     if requested is not None:
         return requested
-    if platform_of(device) == "tpu":
+    if on_tpu:
         return "graph"
     import torch_xla
 
@@ -86,10 +90,11 @@ def platform_of(device: torch.device) -> str:
             return "cpu"
         if kind == "TPU":
             return "tpu"
-        raise NotImplementedError(f"torch_splash runs on CPU or TPU; torch_xla device type is {kind}.")
-    raise NotImplementedError(
-        f"torch_splash runs on CPU tensors and torch_xla tensors; got a tensor on {device}. "
-        "Move it to the CPU or to torch_xla's device."
+        raise SplashConstraintError(
+            f"q is on torch_xla's {kind} device: torch_splash runs on the CPU or a TPU. Use PJRT_DEVICE=CPU or TPU.")
+    raise SplashConstraintError(
+        f"q is on {device}: torch_splash runs on CPU tensors and torch_xla tensors (CPU or TPU). "
+        "Move the inputs to the CPU or to torch_xla's device."
     )
 
 
@@ -100,11 +105,6 @@ def to_jax(tensors: list[torch.Tensor]) -> list:
     import torch_xla
     import torch_xla.utils.dlpack as xla_dlpack
 
-    if platform_of(tensors[0].device) != "cpu":
-        raise NotImplementedError(
-            "DLPack cannot carry TPU buffers (torch_xla and JAX both refuse): use transport='graph' "
-            "(the default on TPU)."
-        )
     torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True)
     return [from_capsule(xla_dlpack.to_dlpack(t)) for t in tensors]
 

@@ -182,7 +182,7 @@ def attention(
 
     q (B, Hq, Lq, D), k (B, Hkv, Lkv, D), v (B, Hkv, Lkv, Dv), or the same without B. Hq must be a
     multiple of Hkv (GQA groups consecutive query heads, like SDPA's enable_gqa; Hkv == 1 uses the
-    MQA kernel). Returns (B, Hq, Lq, Dv) with q's dtype and device.
+    MQA kernel). Returns (B, Hq, Lq, Dv) with q's dtype and device (float16 is computed in float32).
 
     mask: None, "causal" (SDPA's is_causal, top-left aligned) or a `torch_splash.masks` mask.
     scale: defaults to 1/sqrt(D). soft_cap: tanh capping of the scaled logits (Gemma 2).
@@ -229,4 +229,6 @@ def _attention(q, k, v, mask=None, *, mask_source=None, scale=None, segment_ids=
         out, _ = _forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, index, chosen, transport or "")
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         out = _infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, index, chosen)
+    if call.out_dtype is not None:
+        out = out.to(call.out_dtype)
     return out.squeeze(0) if call.unbatched else out

@@ -13,11 +13,29 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from jax_core import SplashConstraintError, SplashDtypeError
+from jax_core import SplashConstraintError, SplashDtypeError, SplashError
 
 from . import masks as _masks
 from .bridge import attention
+
+
+def _causal_bias_mask(bias: CausalBias, q_len: int, kv_len: int) -> _masks.Mask:
+    """torch's CausalBias (causal_upper_left / causal_lower_right) as the CausalMask it means. Its
+    storage is never initialised: torch's SDPA recognises the object, and so must we."""
+    if (bias.seq_len_q, bias.seq_len_kv) != (q_len, kv_len):
+        raise SplashConstraintError(
+            f"attn_mask is a CausalBias for (Lq, Lkv) = {(bias.seq_len_q, bias.seq_len_kv)} but the call has "
+            f"{(q_len, kv_len)}: build it with the query and key lengths of this call.")
+    return _masks.CausalMask(0 if bias.variant == CausalVariant.UPPER_LEFT else kv_len - q_len)
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """A tensor whose values mean what they hold: not a subclass that overrides torch functions
+    (such as CausalBias, whose storage is uninitialised)."""
+    handler = getattr(type(t).__torch_function__, "__func__", None)
+    return isinstance(t, torch.nn.Parameter) or handler is torch.Tensor.__torch_function__.__func__
 
 
 def _bool_mask(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -84,8 +102,14 @@ def masked_attention(query, key, value, attn_mask, **options):
     """`attention(query, key, value, ...)` under an SDPA-style mask tensor (bool, or float 0/-inf
     broadcastable to (B, Hq, Lq, Lkv)); `options` (scale, soft_cap) pass through to `attention`."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
+        raise SplashConstraintError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    if isinstance(attn_mask, CausalBias):
+        return attention(query, key, value, _causal_bias_mask(attn_mask, q_len, kv_len), **options)
+    if not _is_plain(attn_mask):
+        raise SplashConstraintError(
+            f"attn_mask is a {type(attn_mask).__name__}, a tensor subclass that overrides torch functions: its "
+            "values may not be what it means, so splash does not read them. Pass a plain bool or float tensor.")
     batch, heads = (query.shape[0], query.shape[1]) if query.dim() == 4 else (1, query.shape[0])
     mask = _bool_mask(attn_mask)
     try:
@@ -114,31 +138,35 @@ def masked_attention(query, key, value, attn_mask, **options):
     ])
 
 
-_ORIGINAL_SDPA = F.scaled_dot_product_attention
+class _RouteSDPA(torch.overrides.TorchFunctionMode):
+    """Serves torch.nn.functional.scaled_dot_product_attention calls with splash. A mode, not a
+    patched attribute: calls are caught however the caller reached the function, and a fallback
+    calls torch's own function with the mode off, exactly as if torch_splash were not installed
+    (tensor subclasses such as CausalBias, which recognise SDPA by identity, keep working)."""
+
+    def __init__(self):
+        super().__init__()
+        self.warned = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        try:
+            return scaled_dot_product_attention(*args, **kwargs)
+        except SplashError as err:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"torch_splash.route_sdpa: falling back to torch SDPA for a call splash cannot serve: {err}",
+                              stacklevel=2)
+            return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def route_sdpa():
     """Route `torch.nn.functional.scaled_dot_product_attention` calls through splash, unedited models
-    included. A call splash cannot serve (dropout, a float bias, a CUDA tensor, ...) falls back to
-    torch's SDPA; the first fallback in the block warns once with the reason."""
-    warned = False
-
-    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        nonlocal warned
-        try:
-            return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        except (SplashConstraintError, SplashDtypeError, NotImplementedError) as err:
-            if not warned:
-                warned = True
-                warnings.warn(f"torch_splash.route_sdpa: falling back to torch SDPA for a call splash cannot serve: {err}",
-                              stacklevel=2)
-            return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                  scale=scale, enable_gqa=enable_gqa)
-
-    previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = routed
-    try:
+    included. A call splash cannot serve (dropout, a float bias, a CUDA tensor, ...) runs torch's own
+    SDPA instead, as if torch_splash were not installed; the first fallback in the block warns once
+    with the reason."""
+    with _RouteSDPA():
         yield
-    finally:
-        F.scaled_dot_product_attention = previous
