@@ -5,6 +5,9 @@
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 #   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
+#   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
+#   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
+# Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
 # The venv lives in .venv and is rebuilt only when pyproject.toml changes.
 set -euo pipefail
@@ -45,6 +48,9 @@ case "$cmd" in
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
+  bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
+  bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | hf-finetune" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | bench-transports |" \
+          "bench-tpu-memory | hf-finetune" >&2; exit 2 ;;
 esac

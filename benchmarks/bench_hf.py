@@ -45,7 +45,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--quick", action="store_true", help="one round at L=256 (a smoke run), to hf_quick.json")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.lengths = 1, [256]
     torch.set_num_threads(os.cpu_count())
     rows = []
     for name, config in MODELS.items():
@@ -65,7 +68,7 @@ def main():
             rows.append(row)
             print(f"{name:30s} L={length:5d}  splash {row['splash_s']:7.3f} s  sdpa {row['sdpa_s']:7.3f} s  "
                   f"splash/sdpa {ratio:5.2f}x", flush=True)
-    out = pathlib.Path(__file__).parent / "results" / "hf.json"
+    out = pathlib.Path(__file__).parent / "results" / ("hf_quick.json" if args.quick else "hf.json")
     out.write_text(json.dumps({"rounds": args.rounds, "rows": rows}, indent=1) + "\n")
     print(f"results written to {out}")
 

@@ -62,7 +62,7 @@ def tables_benchmark(quick):
 def window_benchmark(quick):
     rows = []
     mask = masks.LocalMask(1023, 0)
-    for length in (2048, 4096) if quick else (2048, 4096, 8192, 16384):
+    for length in (2048,) if quick else (2048, 4096, 8192, 16384):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, length, 64, generator=g) for _ in range(3))
         torch_splash.attention(q, k, v, mask)  # compile
@@ -91,7 +91,7 @@ def main(quick=False):
     base = results["window_1024"][0]["splash_s"] / results["window_1024"][0]["L"]
     for r in results["window_1024"]:
         print(f"| {r['L'] // 1024}K | {r['splash_s']:.2f} s | {r['sdpa_dense_s']:.2f} s | {r['splash_s'] / r['L'] / base:.2f} |")
-    out = pathlib.Path(__file__).parent / "results" / "masks.json"
+    out = pathlib.Path(__file__).parent / "results" / ("masks_quick.json" if quick else "masks.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 

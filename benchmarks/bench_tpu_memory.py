@@ -61,9 +61,13 @@ def step_hlo(length: int, use_splash: bool) -> str:
 
 
 def measure(length: int, use_splash: bool, generation: str) -> dict:
-    from jax_core import aot
+    from jax_core import SplashConstraintError, aot
 
-    proto = aot.hlo_text_to_proto(step_hlo(length, use_splash))
+    try:
+        text = step_hlo(length, use_splash)
+    except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
+        return dict(fits=False, refused=str(refused))
+    proto = aot.hlo_text_to_proto(text)
     try:
         memory = aot.compile_hlo(proto, generation)
         return dict(fits=True, bytes=memory.total, temp=memory.temp)

@@ -4,7 +4,7 @@ A 2-layer attention model (B=2, L=512, dim 128, 4 query heads, 2 kv heads, causa
 SGD; each step is forward, backward, update and `torch_xla.sync()`. Reports the median step time
 and the XLA executions per step for `transport="graph"`, `transport="dlpack"` and, for reference,
 torch SDPA on the same device.
-Run: PJRT_DEVICE=CPU .venv/bin/python benchmarks/bench_transports.py
+Run: ./dev.sh bench-transports [--quick]   (--quick: 3 steps, a smoke run, to transports_quick.json)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_bridge.py
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -53,14 +54,14 @@ def executions():
     return 0 if data is None else data[0]
 
 
-def run(attn):
+def run(attn, steps=STEPS):
     device = torch_xla.device()
     torch.manual_seed(0)
     model = Model(attn).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = torch.randint(0, 100, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(1)).to(device)
     times, counts = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         before, start = executions(), time.perf_counter()
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         opt.zero_grad()
@@ -73,20 +74,21 @@ def run(attn):
     return {"step_s": statistics.median(times[2:]), "executions_per_step": counts[-1], "loss": loss.item()}
 
 
-def main():
+def main(quick=False):
+    steps = 3 if quick else STEPS
     results = {
-        "graph": run(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="graph")),
-        "dlpack": run(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack")),
-        "sdpa": run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+        "graph": run(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="graph"), steps),
+        "dlpack": run(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack"), steps),
+        "sdpa": run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), steps),
     }
     print(f"| B={BATCH} L={LENGTH} 2 layers, torch_xla CPU device | step time | XLA executions per step |")
     print("|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['step_s'] * 1e3:.0f} ms | {r['executions_per_step']} |")
-    out = pathlib.Path(__file__).parent / "results" / "transports.json"
+    out = pathlib.Path(__file__).parent / "results" / ("transports_quick.json" if quick else "transports.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(quick="--quick" in sys.argv)

@@ -18,7 +18,7 @@ import functools
 import math
 
 from .errors import SplashConstraintError
-from .masks import Immutable
+from .masks import Immutable, MultiHeadMask
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
@@ -39,6 +39,11 @@ _TARGETS = {
 # 2048 x 1024 at 256; the dkv kernel at 1024 x 1024 and head_dim 512). The kv compute block did
 # not matter (2048 x 2048 failed with compute blocks of 512).
 VMEM_BUDGET = 1 << 28
+# A TPU kernel's block tables (one entry per q block x kv block, per head for per-head masks) are
+# prefetched into SMEM, 1 MiB. Measured with the TPU compiler for v5e: a causal forward with
+# 512 blocks compiled at 256K tokens (2**18 entries) and was refused at 384K ("Allocation
+# (size=1179648) would exceed memory (size=1048576) ... space=smem": the int16 table alone).
+SMEM_TABLE_ENTRIES = 1 << 18
 _KERNEL_BLOCKS = (("forward", "block_q", "block_kv"), ("dq", "block_q_dq", "block_kv_dq"),
                   ("dkv", "block_q_dkv", "block_kv_dkv"))
 
@@ -181,11 +186,10 @@ def _fit_compute(block: int, compute: int) -> int:
 def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int) -> None:
     """Halve planned blocks of a TPU kernel until it fits VMEM; explicit blocks that do not fit
     are the caller's to change."""
-    width = max(head_dim, LANES)
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
-        while blocks[q_name] * blocks[kv_name] * width > VMEM_BUDGET:
+        while not _fits_vmem(blocks[q_name], blocks[kv_name], head_dim):
             planned = [n for n in (kv_name, q_name) if getattr(user, n) is None and blocks[n] > LANES]
             if not planned:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name))
@@ -198,9 +202,35 @@ def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int) -> None:
             blocks[name] //= 2
 
 
+def _fits_vmem(q_block: int, kv_block: int, head_dim: int) -> bool:
+    return q_block * kv_block * max(head_dim, LANES) <= VMEM_BUDGET
+
+
+def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, table_heads: int) -> None:
+    """Grow planned blocks of a TPU kernel (within VMEM) until its block tables fit SMEM."""
+    for kernel, q_name, kv_name in _KERNEL_BLOCKS:
+        if q_name not in blocks:
+            continue
+        while table_heads * -(-q128 // blocks[q_name]) * -(-kv128 // blocks[kv_name]) > SMEM_TABLE_ENTRIES:
+            grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
+            candidates = [n for n, (bq, bkv) in grown.items()
+                          if getattr(user, n) is None and blocks[n] < (q128 if n == q_name else kv128)
+                          and _fits_vmem(bq, bkv, head_dim)]
+            if not candidates:
+                given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
+                raise SplashConstraintError(
+                    f"Lq={q128}, Lkv={kv128} (rounded to 128){' with ' + given if given else ''}: the {kernel} kernel "
+                    f"needs {table_heads} x {-(-q128 // blocks[q_name])} x {-(-kv128 // blocks[kv_name])} block-table "
+                    f"entries, more than the {SMEM_TABLE_ENTRIES} the TPU's 1 MiB SMEM holds, even with the largest "
+                    "blocks its VMEM allows. Use larger explicit blocks if they were set, a per-head mask shared by "
+                    "all heads, or split the sequence across devices.")
+            name = min(candidates, key=lambda n: blocks[n])
+            blocks[name] *= 2
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str,
-                head_dim: int = LANES) -> tuple[int, int, tuple]:
+                head_dim: int = LANES, table_heads: int = 1) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
     target = _TARGETS[platform]
@@ -219,6 +249,7 @@ def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str,
     blocks.update({n: block(n, kv128) for n in kv_names})
     if platform == "tpu":
         _fit_vmem(blocks, user, head_dim)
+        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads)
     for b, c in (("block_kv", "block_kv_compute"), ("block_kv_dkv", "block_kv_dkv_compute")):
         given = getattr(user, c)
         blocks[c] = _fit_compute(blocks[b], target["compute"] if given is None else given)
@@ -260,7 +291,8 @@ def plan(
     mask.check(num_q_heads, q_len, kv_len)
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
-    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v))
+    table_heads = num_q_heads if isinstance(mask, MultiHeadMask) else 1  # per-head masks: one table per head
+    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads)
     return Plan(
         batch=batch,
         num_q_heads=num_q_heads,

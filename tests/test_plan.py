@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_core
-from jax_core.plan import LANES, VMEM_BUDGET, plan_blocks
+from jax_core.plan import LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
 
 lengths = st.integers(1, 70_000)
 maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
@@ -31,14 +31,15 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
     try:
         q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
     except jax_core.SplashConstraintError as refused:
-        # only on TPU, only for explicit blocks too large for VMEM (after clamping to the lengths)
-        assert platform == "tpu" and "do not fit the TPU's VMEM" in str(refused)
+        # only on TPU: explicit blocks too large for VMEM, or too small for the tables to fit SMEM
+        assert platform == "tpu" and ("do not fit the TPU's VMEM" in str(refused) or "SMEM holds" in str(refused))
         return
     b = dict(blocks)
     if platform == "tpu":
         for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
             if q_name in b:
                 assert b[q_name] * b[kv_name] * max(head_dim, LANES) <= VMEM_BUDGET
+                assert (q_pad // b[q_name]) * (kv_pad // b[kv_name]) <= SMEM_TABLE_ENTRIES
     assert q_pad >= q_len and kv_pad >= kv_len and q_pad % LANES == 0 and kv_pad % LANES == 0
     q_names = ["block_q", "block_q_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_q_dq"])
     kv_names = ["block_kv", "block_kv_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_kv_dq"])
@@ -81,3 +82,18 @@ def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
     blocks = dict(plan_blocks(4096, 4096, jax_core.BlockSizes(), "tpu", 2048)[2])
     for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
         assert blocks[q_name] * blocks[kv_name] * 2048 <= 1 << 28
+
+
+def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
+    def entries(q_len, blocks, table_heads=1):
+        return [table_heads * -(-q_len // blocks[q]) * -(-q_len // blocks[kv]) for q, kv in
+                (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv"))]
+
+    assert dict(plan_blocks(262144, 262144, jax_core.BlockSizes(), "tpu", 128)[2])["block_q"] == 512
+    for length, heads in ((393216, 1), (524288, 1), (131072, 16)):
+        blocks = dict(plan_blocks(length, length, jax_core.BlockSizes(), "tpu", 128, heads)[2])
+        assert max(entries(length, blocks, heads)) <= SMEM_TABLE_ENTRIES
+    with pytest.raises(jax_core.SplashConstraintError, match=r"Lq=1048576, Lkv=1048576 .* SMEM"):
+        plan_blocks(1 << 20, 1 << 20, jax_core.BlockSizes(), "tpu", 128)
+    with pytest.raises(jax_core.SplashConstraintError, match=r"with block_sizes.block_q=512, block_sizes.block_kv=512"):
+        plan_blocks(393216, 393216, jax_core.BlockSizes(block_q=512, block_kv=512), "tpu", 128)

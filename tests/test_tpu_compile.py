@@ -49,6 +49,8 @@ DEFAULT = [
     _case("length-1", 2, 2, 1, 1, 64, "float32", "FullMask()"),
     _case("head-dims-80-96", 4, 2, 512, 640, 80, "bfloat16", "CausalMask(128)", dv=96),
     _case("long-32k-causal", 2, 1, 32768, 32768, 128, "bfloat16", "CausalMask(0)"),
+    # past 256K tokens the 512-blocks' tables outgrow SMEM: the planner grows the blocks
+    _case("long-384k-causal-smem", 2, 1, 393216, 393216, 128, "bfloat16", "CausalMask(0)"),
     _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)",
           blocks=dict(use_fused_bwd_kernel=True)),
     _case("explicit-blocks-1024", 4, 2, 2048, 2048, 256, "float32", "CausalMask(0)",

@@ -1,0 +1,37 @@
+"""Every command the README shows runs, as a user runs it (through ./dev.sh), in its quick mode:
+so that no example or benchmark can rot unnoticed. (`./dev.sh hf-finetune` is run by test_hf.py.)"""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def dev(*args, timeout=900) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_SKIP_MDS_QUERY", "CPU_NUM_DEVICES")}
+    done = subprocess.run([str(ROOT / "dev.sh"), *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_demo():
+    assert "OK: torch_splash trains the model like SDPA does." in dev("demo")
+
+
+@pytest.mark.parametrize("command,result,key", [
+    ("bench", "bridge_quick.json", "large"),
+    ("bench-masks", "masks_quick.json", "tables"),
+    ("bench-hf", "hf_quick.json", "rows"),
+    ("bench-transports", "transports_quick.json", "graph"),
+    ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
+])
+def test_benchmark_quick_mode(command, result, key):
+    (RESULTS / result).unlink(missing_ok=True)
+    dev(command, "--quick")
+    assert json.loads((RESULTS / result).read_text())[key]
