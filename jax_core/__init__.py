@@ -10,6 +10,7 @@ from .masks import (
     LocalMask,
     Mask,
     MultiHeadMask,
+    PrefixMask,
 )
 from .plan import BlockSizes, Plan, plan
 
@@ -21,6 +22,7 @@ __all__ = [
     "LocalMask",
     "Mask",
     "MultiHeadMask",
+    "PrefixMask",
     "FullMask",
     "Plan",
     "Program",

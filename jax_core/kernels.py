@@ -169,6 +169,12 @@ class Program:
         inputs = self._residual_sources(q, k, v, sinks, segment_ids)
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
+        if self.rows_may_be_empty:
+            # A row that saw no key has logsumexp -inf (its q block was skipped) or about the mask
+            # value; the dq/dkv kernels recompute p = exp(logit - logsumexp) from it, which is inf
+            # there, and inf * 0 is NaN whatever d_out is. With +inf, p is 0 on those rows.
+            row_has_keys = (lse > _EMPTY_ROW_LSE)[..., None]
+            lse = jnp.where(row_has_keys[..., 0], lse, jnp.inf)
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
         leaves = [
             inputs[value] if kind == "input" else found[kind] if kind in found else value
@@ -176,7 +182,6 @@ class Program:
         ]
         d_out = self._pad(d_out, 2, p.q_len_padded)
         if self.rows_may_be_empty:
-            row_has_keys = (lse > _EMPTY_ROW_LSE)[..., None]
             d_out = jnp.where(row_has_keys, d_out, 0).astype(d_out.dtype)
         dq, dk, dv, *d_sinks = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
         if self.rows_may_be_empty:

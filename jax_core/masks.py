@@ -26,7 +26,14 @@ def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimu
         raise SplashConstraintError(f"{owner}: {name}={value!r} must be an int{' or None' if allow_none else ''}.")
     if minimum is not None and value < minimum:
         raise SplashConstraintError(f"{owner}: {name}={value!r} must be >= {minimum}.")
+    if abs(value) > _INT_LIMIT:
+        raise SplashConstraintError(
+            f"{owner}: {name}={value!r} is beyond +-2**30: the kernel adds it to int32 positions. Any value past "
+            "the sequence lengths means the same as one at them, so use a smaller one.")
     return int(value)
+
+
+_INT_LIMIT = 1 << 30
 
 
 def _and(a, b):
@@ -84,19 +91,43 @@ class Mask(Immutable):
         return np.broadcast_to(allowed, (q_len, kv_len)).copy()
 
     def __and__(self, other):
-        return And(self, _as_mask(other))
+        return _combine(And, self, other)
 
     def __or__(self, other):
-        return Or(self, _as_mask(other))
+        return _combine(Or, self, other)
+
+    def __rand__(self, other):
+        return _combine(And, other, self)
+
+    def __ror__(self, other):
+        return _combine(Or, other, self)
 
     def __bool__(self):
-        raise TypeError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
+        raise SplashConstraintError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
 
 
-def _as_mask(value) -> Mask:
-    if not isinstance(value, Mask):
-        raise SplashConstraintError(f"cannot combine a mask with {type(value).__name__}: use torch_splash.masks masks.")
-    return value
+def _combine(op, left, right):
+    """`left op right` for masks. A per-head mask combines head by head, so every composition stays
+    a mask of one head each; a mask-like object of the torch side (a mask_mod, resolved at call
+    time) combines through its own operators."""
+    for side in (left, right):
+        if getattr(side, "composes_with_masks", False) and not isinstance(side, Mask):
+            return NotImplemented
+        if not isinstance(side, Mask):
+            raise SplashConstraintError(
+                f"cannot combine a mask with {type(side).__name__}: combine torch_splash.masks masks (a bool tensor "
+                "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod).")
+    if isinstance(left, MultiHeadMask) or isinstance(right, MultiHeadMask):
+        heads = [m.masks if isinstance(m, MultiHeadMask) else None for m in (left, right)]
+        count = {len(h) for h in heads if h is not None}
+        if len(count) > 1:
+            raise SplashConstraintError(
+                f"cannot combine per-head masks of {' and '.join(str(c) for c in sorted(count))} heads: they combine "
+                "head by head, so their head counts must match.")
+        (n,) = count
+        left_heads, right_heads = (h if h is not None else (m,) * n for h, m in zip(heads, (left, right)))
+        return MultiHeadMask(tuple(op(a, b) for a, b in zip(left_heads, right_heads)))
+    return op(left, right)
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -174,6 +205,27 @@ class LocalMask(Mask):
             any_ = any_ & (k0 <= q1 + self.offset + self.window_right)
             all_ = all_ & (k1 <= q0 + self.offset + self.window_right)
         return any_, all_
+
+
+@dataclasses.dataclass(unsafe_hash=True)
+class PrefixMask(Mask):
+    """Every query sees the first `length` keys: with `CausalMask() | PrefixMask(n)`, a prefix-LM
+    mask (bidirectional over a prefix of n tokens, causal after it), still skipping blocks."""
+
+    length: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "length", _check_int("PrefixMask", "length", self.length, minimum=0))
+
+    def allows(self, q_ids, kv_ids):
+        return (kv_ids < self.length) & (q_ids >= 0)
+
+    def blocks(self, q0, q1, k0, k1):
+        shape = np.broadcast_shapes(np.shape(q0), np.shape(k0))
+        return np.broadcast_to(k0 < self.length, shape), np.broadcast_to(k1 < self.length, shape)
+
+    def may_empty_rows(self) -> bool:
+        return self.length < 1
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -320,6 +372,12 @@ class MultiHeadMask(Mask):
 
     def dense(self, q_len, kv_len):
         return np.stack([m.dense(q_len, kv_len) for m in self.masks])
+
+
+# The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
+# other structured masks). torch_splash registers them for torch.compile and writes them as
+# source text for Dynamo from this one tuple.
+STRUCTURED = (FullMask, CausalMask, LocalMask, PrefixMask, ChunkedCausalMask, And, Or, MultiHeadMask)
 
 
 def bind(spec: Mask, num_heads: int, q_len_padded: int, kv_len_padded: int, kv_len: int):

@@ -145,3 +145,36 @@ def test_float16_is_served_at_least_as_accurately_as_sdpa(heads, length):
     for name, mine, theirs in zip(["out", "dq", "dk", "dv"], splash, sdpa):
         # one float16 rounding of the result (half an ulp) is the floor both share
         assert mine <= theirs * 1.05 + 1e-6, (name, splash, sdpa)
+
+
+def test_explicit_blocks_with_rows_that_see_no_key_give_finite_correct_gradients():
+    """A forward q block smaller than the dkv q block leaves rows whose q block was skipped with
+    logsumexp -inf; the dkv kernel recomputed exp(logit - logsumexp) = inf there (dk, dv were inf)."""
+    for mask in (CausalMask(-130), CausalMask(-300)):
+        q, k, v = make_qkv(1, 2, 2, 512, 512, 64, 64, torch.float32)
+        assert_matches_reference(q, k, v, mask, block_sizes=torch_splash.BlockSizes(block_q=128))
+
+
+def test_segment_ids_of_any_integer_dtype():
+    """Ids only matter for equality: int64 ids beyond the int32 range are renumbered, not truncated
+    (2**33 and 2**33 + 2**32 used to become one id)."""
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 64, 64, torch.float32)
+    ids = torch.full((2, 64), 2**33, dtype=torch.int64)
+    ids[:, 20:] += 2**32
+    ids[1, 50:] = -7
+    assert_matches_reference(q, k, v, segment_ids=ids)
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        assert_matches_reference(q, k, v, segment_ids=(ids != 2**33).to(dtype))
+
+
+def test_backward_after_the_program_cache_evicted_the_forward_s_program():
+    import jax_core
+
+    q, k, v = make_qkv(1, 4, 2, 100, 100, 64, 64, torch.float32)
+    out = torch_splash.attention(q, k, v, "causal", segment_ids=torch.zeros(1, 100, dtype=torch.int32))
+    jax_core.program.cache_clear()  # as if more than the cache's worth of other shapes ran since
+    out.sum().backward()
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    torch_splash.attention(q2, k2, v2, "causal", segment_ids=torch.zeros(1, 100, dtype=torch.int32)).sum().backward()
+    for a, b in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -110,3 +110,59 @@ def test_mask_with_no_allowed_pair_gives_zeros(mask):
     assert torch.equal(out, torch.zeros_like(out))
     assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
     assert_matches_reference(q, k, v, mask)
+
+
+# Every kind of mask composes with every other under & and |. Each kind with its meaning as a
+# (H, Lq, Lkv) bool tensor written from its definition, not from torch_splash's own dense().
+H, LQ, LKV = 2, 40, 56
+_rng = torch.Generator().manual_seed(7)
+_DENSE_2D = torch.rand(LQ, LKV, generator=_rng) > 0.4
+_DENSE_3D = torch.rand(H, LQ, LKV, generator=_rng) > 0.4
+_q, _kv = torch.arange(LQ).view(1, LQ, 1), torch.arange(LKV).view(1, 1, LKV)
+KINDS = {
+    "causal": (CausalMask(3), (_q + 3 >= _kv).expand(H, LQ, LKV)),
+    "local": (LocalMask(9, 2), ((_kv >= _q - 9) & (_kv <= _q + 2)).expand(H, LQ, LKV)),
+    "prefix": (torch_splash.masks.PrefixMask(10), (_kv < 10).expand(H, LQ, LKV)),
+    "per-head": (MultiHeadMask((CausalMask(0), LocalMask(4))),
+                 torch.cat([_q >= _kv, (_kv >= _q - 4) & (_kv <= _q)])),
+    "tensor-2d": (from_tensor(_DENSE_2D), _DENSE_2D.expand(H, LQ, LKV)),
+    "tensor-per-head": (from_tensor(_DENSE_3D), _DENSE_3D),
+    "mask-mod": (from_mask_mod(lambda b, h, q, kv: (kv % 3 == 0) | (h == 1)),
+                 ((_kv % 3 == 0) | (torch.arange(H).view(H, 1, 1) == 1)).expand(H, LQ, LKV)),
+}
+_NAMES = list(KINDS)
+PAIRS = [(a, b, "&" if (i + j) % 2 else "|") for i, a in enumerate(_NAMES) for j, b in enumerate(_NAMES) if i <= j]
+
+
+@pytest.mark.parametrize("left,right,op", PAIRS, ids=[f"{a}{op}{b}" for a, b, op in PAIRS])
+def test_every_mask_kind_composes_with_every_other(left, right, op):
+    (mask_a, dense_a), (mask_b, dense_b) = KINDS[left], KINDS[right]
+    mask = mask_a & mask_b if op == "&" else mask_a | mask_b
+    expected = dense_a & dense_b if op == "&" else dense_a | dense_b
+    q, k, v = (t.detach() for t in make_qkv(1, H, H, LQ, LKV, 64, 64, torch.float32))
+    out = torch_splash.attention(q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected[None])
+    torch.testing.assert_close(out, ref.nan_to_num(0.0), atol=2e-5, rtol=1e-5)
+
+
+def test_prefix_lm_stays_structured_and_skips_blocks():
+    from jax_core import tables
+
+    mask = CausalMask(0) | torch_splash.masks.PrefixMask(700)
+    assert torch_splash.masks.to_source(mask) == "Or(CausalMask(0), PrefixMask(700))"  # crosses torch.compile
+    table = tables.block_mask_table(mask, 2048, 2048, 2048, 512, 512)
+    # 512-blocks: above the diagonal only block (0, 1) holds prefix keys (512..699); the other 5 are skipped
+    assert table[0, 1] == 1 and (table == 0).sum() == 5
+    q, k, v = make_qkv(1, 2, 2, 700, 700, 64, 64, torch.float32)
+    assert_matches_reference(q, k, v, mask)
+
+
+def test_what_cannot_combine_is_a_splash_error():
+    with pytest.raises(torch_splash.SplashConstraintError, match="cannot combine a mask with int"):
+        CausalMask() & 3
+    with pytest.raises(torch_splash.SplashConstraintError, match="cannot combine a mask with int"):
+        from_mask_mod(lambda b, h, q, kv: q >= kv) | 3
+    with pytest.raises(torch_splash.SplashConstraintError, match="per-head masks of 2 and 3 heads"):
+        MultiHeadMask((FullMask(), FullMask())) & MultiHeadMask((FullMask(),) * 3)
+    with pytest.raises(torch_splash.SplashConstraintError, match="from_tensor takes a bool torch.Tensor"):
+        from_tensor([1])

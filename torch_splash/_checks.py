@@ -113,7 +113,19 @@ def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str,
             f"{name} has shape {_shape(ids)} but must be {tuple(expected)}: one id per position of "
             f"{length_name}={length}.{hint}"
         )
-    return ids.to(device=device, dtype=torch.int32)
+    return ids.to(device=device)
+
+
+def _as_int32(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int32 ids. Ids only matter for equality, so ids of a wider type are renumbered
+    by rank (a sort, static shapes, no read of the values on the host) instead of truncated."""
+    if q_ids.dtype.itemsize <= 4 and q_ids.dtype != torch.uint32 and kv_ids.dtype == q_ids.dtype:
+        return q_ids.to(torch.int32), kv_ids.to(torch.int32)
+    joint = torch.cat([q_ids.flatten().to(torch.int64), kv_ids.flatten().to(torch.int64)])
+    ordered = joint.sort().values
+    rank = torch.cat([ordered.new_zeros(1), (ordered[1:] != ordered[:-1]).cumsum(0)])
+    renumbered = rank[torch.searchsorted(ordered, joint)].to(torch.int32)
+    return renumbered[: q_ids.numel()].view(q_ids.shape), renumbered[q_ids.numel():].view(kv_ids.shape)
 
 
 def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
@@ -125,12 +137,12 @@ def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
                 f"segment_ids is a single tensor but Lq={q_len} != Lkv={kv_len}: pass a pair "
                 "(q_ids, kv_ids) with shapes (B, Lq) and (B, Lkv)."
             )
-        ids = _check_ids("segment_ids", segment_ids, batch, q_len, "Lq", device)
+        ids = _as_int32(*[_check_ids("segment_ids", segment_ids, batch, q_len, "Lq", device)] * 2)[0]
         return ids, ids
     if isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2:
         q_ids = _check_ids("segment_ids[0] (q ids)", segment_ids[0], batch, q_len, "Lq", device)
         kv_ids = _check_ids("segment_ids[1] (kv ids)", segment_ids[1], batch, kv_len, "Lkv", device)
-        return q_ids, kv_ids
+        return _as_int32(q_ids, kv_ids)
     raise TypeError(
         "segment_ids must be an int tensor (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv))."
     )

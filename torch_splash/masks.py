@@ -8,7 +8,9 @@ Structured masks skip whole blocks of work and are evaluated inside the kernel:
   i + offset + window_right, None meaning unbounded. HF's `sliding_window=W` (W tokens including
   the current one) is `LocalMask(W - 1, 0)`.
 - `ChunkedCausalMask(chunk_size)`: causal within chunks (Llama 4).
-- `a & b`, `a | b`: composition, as the JAX kernel's LogicalAnd / LogicalOr.
+- `PrefixMask(n)`: every query sees the first n keys (`CausalMask() | PrefixMask(n)`: prefix LM).
+- `a & b`, `a | b`: composition, as the JAX kernel's LogicalAnd / LogicalOr. Every mask composes
+  with every other (per-head masks head by head; data masks as data).
 - `MultiHeadMask([...])` (or a plain list): one mask per query head.
 
 Data masks: `from_tensor(bool_tensor)` for (Lq, Lkv) or (1 or Hq, Lq, Lkv), True = attend; and
@@ -25,6 +27,7 @@ import torch
 
 from jax_core import SplashConstraintError
 from jax_core.masks import (
+    STRUCTURED,
     And,
     CausalMask,
     ChunkedCausalMask,
@@ -35,6 +38,7 @@ from jax_core.masks import (
     Mask,
     MultiHeadMask,
     Or,
+    PrefixMask,
 )
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "Mask",
     "MaskMod",
     "MultiHeadMask",
+    "PrefixMask",
     "from_mask_mod",
     "from_tensor",
 ]
@@ -54,7 +59,7 @@ __all__ = [
 def from_tensor(mask: torch.Tensor) -> Mask:
     """A mask from a bool tensor (Lq, Lkv) or (1 or Hq, Lq, Lkv) (or (1, 1 or Hq, Lq, Lkv)), True = attend."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"from_tensor takes a torch.Tensor, got {type(mask).__name__}.")
+        raise SplashConstraintError(f"from_tensor takes a bool torch.Tensor, got {type(mask).__name__}.")
     if mask.dtype != torch.bool:
         raise SplashConstraintError(
             f"mask has dtype {mask.dtype}: pass a bool mask (True = attend). For SDPA-style float "
@@ -75,8 +80,41 @@ def from_tensor(mask: torch.Tensor) -> Mask:
     return MultiHeadMask(tuple(DenseMask(m) for m in array))
 
 
+class _Deferred(Immutable):
+    """A mask that exists only once the call's shapes are known (a mask_mod, or a composition with
+    one). It composes with every mask under & and |, resolved at call time."""
+
+    composes_with_masks = True  # jax_core's masks hand & and | with these over to us
+
+    def resolve(self, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+        raise NotImplementedError
+
+    def __and__(self, other):
+        return Composed("and", self, _operand(other))
+
+    def __rand__(self, other):
+        return Composed("and", _operand(other), self)
+
+    def __or__(self, other):
+        return Composed("or", self, _operand(other))
+
+    def __ror__(self, other):
+        return Composed("or", _operand(other), self)
+
+    def __bool__(self):
+        raise SplashConstraintError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
+
+
+def _operand(value):
+    if isinstance(value, (Mask, _Deferred)):
+        return value
+    raise SplashConstraintError(
+        f"cannot combine a mask with {type(value).__name__}: combine torch_splash.masks masks (a bool tensor goes "
+        "through masks.from_tensor).")
+
+
 @dataclasses.dataclass(unsafe_hash=True)
-class MaskMod(Immutable):
+class MaskMod(_Deferred):
     """A FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool`, bound at call time."""
 
     fn: object
@@ -85,12 +123,26 @@ class MaskMod(Immutable):
         return _resolve_mask_mod(self.fn, batch, heads, q_len, kv_len)
 
 
+@dataclasses.dataclass(unsafe_hash=True)
+class Composed(_Deferred):
+    """`left & right` or `left | right` where a side is resolved at call time."""
+
+    op: str
+    left: object
+    right: object
+
+    def resolve(self, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+        left, right = (m.resolve(batch, heads, q_len, kv_len) if isinstance(m, _Deferred) else m
+                       for m in (self.left, self.right))
+        return left & right if self.op == "and" else left | right
+
+
 def from_mask_mod(fn) -> MaskMod:
     """A mask from FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, evaluated on index tensors
     (broadcast, never a Python loop over positions). One that depends on b is refused: express
     per-sequence structure with `segment_ids` instead."""
     if not callable(fn):
-        raise TypeError(f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}.")
+        raise SplashConstraintError(f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}.")
     return MaskMod(fn)
 
 
@@ -130,7 +182,7 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
         raise SplashConstraintError(f"mask={mask!r}: the only string mask is 'causal' (SDPA's is_causal).")
     if isinstance(mask, Mask):
         return mask
-    if isinstance(mask, MaskMod):
+    if isinstance(mask, _Deferred):
         return mask.resolve(batch, heads, q_len, kv_len)
     if isinstance(mask, torch.Tensor):
         return from_tensor(mask)
@@ -144,33 +196,32 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
 
 
 # Every mask type a caller can pass (torch.compile treats them as constants; see bridge.py).
-TYPES = (FullMask, CausalMask, LocalMask, ChunkedCausalMask, And, Or, DenseMask, MultiHeadMask, MaskMod)
+TYPES = (*STRUCTURED, DenseMask, MaskMod, Composed)
 
 
 # Structured masks cross into torch.compile's nonstrict_trace region as the text of their
 # constructor calls: Dynamo passes a str whatever built it, but a mask object only if it was built
 # outside the compiled region.
-_STRUCTURED = {cls.__name__: cls for cls in (FullMask, CausalMask, LocalMask, ChunkedCausalMask, And, Or, MultiHeadMask)}
+_STRUCTURED = {cls.__name__: cls for cls in STRUCTURED}
 
 
 def to_source(mask) -> str | None:
     """A structured mask as constructor calls, e.g. "And(CausalMask(0), LocalMask(3, 0, 0))"; None
     for anything else (data masks, strings, tensors, lists)."""
-    if isinstance(mask, FullMask):
-        return "FullMask()"
-    if isinstance(mask, CausalMask):
-        return f"CausalMask({mask.offset})"
-    if isinstance(mask, LocalMask):
-        return f"LocalMask({mask.window_left}, {mask.window_right}, {mask.offset})"
-    if isinstance(mask, ChunkedCausalMask):
-        return f"ChunkedCausalMask({mask.chunk_size})"
-    if isinstance(mask, (And, Or)):
-        left, right = to_source(mask.left), to_source(mask.right)
-        return None if left is None or right is None else f"{type(mask).__name__}({left}, {right})"
-    if isinstance(mask, MultiHeadMask):
-        heads = [to_source(m) for m in mask.masks]
-        return None if None in heads else "MultiHeadMask((" + "".join(f"{h}, " for h in heads) + "))"
-    return None
+    if type(mask) not in STRUCTURED:
+        return None
+    parts = []
+    for field in dataclasses.fields(mask):
+        value = getattr(mask, field.name)
+        if isinstance(value, tuple):
+            heads = [to_source(m) for m in value]
+            part = None if None in heads else "(" + "".join(f"{h}, " for h in heads) + ")"
+        else:
+            part = to_source(value) if isinstance(value, Mask) else repr(value)
+        if part is None:
+            return None
+        parts.append(part)
+    return f"{type(mask).__name__}({', '.join(parts)})"
 
 
 @functools.lru_cache(maxsize=256)
