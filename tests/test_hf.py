@@ -110,6 +110,22 @@ def test_greedy_generation_matches(family):
     assert torch.equal(tokens["splash"], tokens[BASELINE[family]])
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2"])
+def test_right_padded_greedy_generation_matches_eager(family):
+    """With right padding the next-token logits are read at a padded position, whose query row
+    attends to the real keys in eager and sdpa: splash must give that row the same keys."""
+    model = make_model(family).eval()
+    ids, mask, _, _ = batch("right")
+    tokens, scores = {}, {}
+    for impl in ("eager", "splash"):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        tokens[impl], scores[impl] = out.sequences, torch.stack(out.scores)
+    assert torch.equal(tokens["splash"], tokens["eager"])
+    torch.testing.assert_close(scores["splash"], scores["eager"], atol=ATOL, rtol=0)
+
+
 def test_patch_switches_a_loaded_model():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
@@ -175,9 +191,9 @@ def test_mask_function_padding_matches_hf_on_valid_rows(window):
     got = hf.splash_mask(3, 6, 6, mask_function=fn, attention_mask=padding)
     assert got.segment_ids[0].shape == (3, 6) and got.segment_ids[1].shape == (3, 6)
     expected = mu.sdpa_mask(3, 6, 6, mask_function=fn, attention_mask=padding, allow_is_causal_skip=False)[:, 0]
-    dense = _dense(got, 6, 6)
-    assert torch.equal(dense[padding], expected[padding])
-    assert not dense[~padding].any()  # padded query rows see nothing: they return 0
+    # every row, padded query rows included: HF masks keys only, so a right-padded query row sees
+    # the real keys before it (its logits are the next-token logits), a left-padded one sees none
+    assert torch.equal(_dense(got, 6, 6), expected)
 
 
 def test_mask_function_packed_sequences_are_segment_ids():
@@ -351,3 +367,23 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, monkeypa
     assert hlo.count('custom_call_target="tpu_custom_call"') == 3 * SMALL["num_hidden_layers"]
     del loss, grads, model  # never executed: nothing may sync these graphs on a CPU
     gc.collect()
+
+
+def test_float16_model_parity_and_generation():
+    """A float16 Llama (as HF users load models) through splash: against the same model in float64,
+    its logits are no further off than sdpa's in float16; greedy generation gives sdpa's tokens."""
+    model = make_model("llama").eval()
+    ids, mask, _, valid = batch("right")
+    with torch.no_grad():
+        model.double().set_attn_implementation("sdpa")
+        reference = model(input_ids=ids, attention_mask=mask).logits
+        model.half()
+        errors, tokens = {}, {}
+        for impl in ("sdpa", "splash"):
+            model.set_attn_implementation(impl)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            assert logits.dtype == torch.float16
+            errors[impl] = float((logits.double() - reference)[valid].abs().max())
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert errors["splash"] <= errors["sdpa"] * 1.5 + 1e-3, errors
+    assert torch.equal(tokens["splash"], tokens["sdpa"])

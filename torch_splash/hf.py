@@ -163,33 +163,34 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
                             allow_is_causal_skip=False, **kwargs)
     device = kwargs.get("device", "cpu")
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    kv_valid = q_valid = None
+    kv_valid = None
     # Whether a mask pads anything is a host read: on torch_xla it would execute the pending graph
     # every step, and under torch.compile it is a data-dependent branch. There padding always
     # becomes segment ids.
     if padding is not None and (padding.device.type == "xla" or torch.compiler.is_compiling()
                                 or not bool(padding.all())):
         kv_valid = padding[:, kv_offset:kv_offset + kv_length]
-        q_valid = mu.prepare_padding_mask(attention_mask, q_offset + q_length, 0)[:, q_offset:q_offset + q_length]
     segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
     if q_length == 1 and structure.packed is None:
         same_segment = None if segments is None else segments[1] == segments[0]
         return _decode_mask(batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right,
-                            same_segment, kv_valid, q_valid, device)
+                            same_segment, kv_valid, device)
     mask = _structured(structure.left, structure.right, q_offset - kv_offset)
     if segments is None and kv_valid is None:
         return SplashMask(mask)
     q_ids, kv_ids = segments if segments is not None else (
         torch.zeros(batch_size, q_length, dtype=torch.int32), torch.zeros(batch_size, kv_length, dtype=torch.int32))
     if kv_valid is not None:
-        # Padded keys get id 0, which no query has; padded queries get -1, which no key has: their
-        # rows are 0. (Real ids are >= 0 at every real position.)
+        # Padded keys get id 0, which no query has (real ids are >= 0, shifted to >= 1). HF masks
+        # keys only: a padded query row still sees the real keys its mask allows, as in eager and
+        # sdpa (with right padding the next-token logits are read at such a row), and a row that
+        # sees none (left padding) returns 0.
         kv_ids = torch.where(kv_valid, kv_ids.to(kv_valid.device) + 1, 0)
-        q_ids = torch.where(q_valid, q_ids.to(q_valid.device) + 1, -1)
+        q_ids = q_ids + 1
     return SplashMask(mask, (q_ids.to(torch.int32), kv_ids.to(torch.int32)))
 
 
-def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, q_valid, device) -> SplashMask:
+def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, device) -> SplashMask:
     """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right],
     within its own chunk if chunked (same_segment, (B, Lkv)). That and the padding become kv segment
     ids over a full mask, and the keys are padded to the next multiple of 128 (the kernel pads there
@@ -208,8 +209,6 @@ def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_va
     if kv_valid is not None:
         kv_ids = kv_ids & kv_valid
     q_ids = torch.ones(batch_size, 1, dtype=torch.int32, device=device)
-    if q_valid is not None:
-        q_ids = torch.where(q_valid, q_ids, -1)  # a padded query sees no key: its row is 0
     return SplashMask(_masks.FullMask(), (q_ids.to(torch.int32), kv_ids.to(torch.int32)),
                       pad_keys_to=-(-kv_length // 128) * 128)
 
