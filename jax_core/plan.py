@@ -44,6 +44,7 @@ VMEM_BUDGET = 1 << 28
 # 512 blocks compiled at 256K tokens (2**18 entries) and was refused at 384K ("Allocation
 # (size=1179648) would exceed memory (size=1048576) ... space=smem": the int16 table alone).
 SMEM_TABLE_ENTRIES = 1 << 18
+DQ_MAX_Q_BLOCK = 1024
 _KERNEL_BLOCKS = (("forward", "block_q", "block_kv"), ("dq", "block_q_dq", "block_kv_dq"),
                   ("dkv", "block_q_dkv", "block_kv_dkv"))
 
@@ -189,25 +190,35 @@ def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int) -> None:
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
-        while not _fits_vmem(blocks[q_name], blocks[kv_name], head_dim):
+        while not _fits_vmem(blocks[q_name], blocks[kv_name], head_dim, kernel):
             planned = [n for n in (kv_name, q_name) if getattr(user, n) is None and blocks[n] > LANES]
+            if kernel == "dq" and blocks[q_name] > DQ_MAX_Q_BLOCK:
+                planned = [n for n in planned if n == q_name]
             if not planned:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name))
                 raise SplashConstraintError(
                     f"{given}: the {kernel} kernel's blocks at head_dim {head_dim} do not fit the "
-                    f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28 (the TPU compiler "
-                    "refuses larger ones; e.g. 2048 x 1024 at head_dim 128, 1024 x 1024 at 256). Use smaller "
-                    "blocks, or leave them None to have them planned.")
+                    f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28, and the dq "
+                    f"kernel's q block at most {DQ_MAX_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. "
+                    "2048 x 1024 at head_dim 128, 1024 x 1024 at 256). Use smaller blocks, or leave them None to "
+                    "have them planned.")
             name = max(planned, key=lambda n: blocks[n])
             blocks[name] //= 2
 
 
-def _fits_vmem(q_block: int, kv_block: int, head_dim: int) -> bool:
+def _fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forward") -> bool:
+    # The dq kernel's VMEM also grows with the sequence: at 512K tokens, head_dim 128, its 2048 x
+    # 1024 blocks overran the scoped VMEM (16.88M of 16M) where 1024 x 2048 compiled; at 128K
+    # both did. Its q block stays at most 1024.
+    if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
+        return False
     return q_block * kv_block * max(head_dim, LANES) <= VMEM_BUDGET
 
 
 def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, table_heads: int) -> None:
-    """Grow planned blocks of a TPU kernel (within VMEM) until its block tables fit SMEM."""
+    """Grow planned blocks of a TPU kernel until its block tables fit SMEM, to at most half the VMEM
+    budget: at 576K tokens a dq kernel grown to 2048 x 1024 (the budget's edge, which compiled at
+    4K tokens) overran the scoped VMEM by 900K, so planned blocks keep that margin."""
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
@@ -215,7 +226,7 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
             grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
             candidates = [n for n, (bq, bkv) in grown.items()
                           if getattr(user, n) is None and blocks[n] < (q128 if n == q_name else kv128)
-                          and _fits_vmem(bq, bkv, head_dim)]
+                          and _fits_vmem(2 * bq, bkv, head_dim, kernel)]
             if not candidates:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
                 raise SplashConstraintError(

@@ -22,7 +22,7 @@ def xla_device():
     return torch_xla.device()
 
 
-def dense_mask(mask, q_len, kv_len, segment_ids=None):
+def dense_mask(mask, q_len, kv_len, segment_ids=None, heads=1):
     """The bool (B or 1, H or 1, Lq, Lkv) mask that a torch_splash mask and segment ids mean."""
     import torch_splash
 
@@ -31,7 +31,7 @@ def dense_mask(mask, q_len, kv_len, segment_ids=None):
         while allowed.dim() < 4:
             allowed = allowed[None]
     else:
-        spec = torch_splash.masks.normalize(mask, 1, 1, q_len, kv_len)
+        spec = torch_splash.masks.normalize(mask, 1, heads, q_len, kv_len)
         allowed = torch.from_numpy(spec.dense(q_len, kv_len).copy())
         allowed = allowed[None] if allowed.dim() == 3 else allowed[None, None]
     if segment_ids is not None:
@@ -40,11 +40,12 @@ def dense_mask(mask, q_len, kv_len, segment_ids=None):
     return allowed
 
 
-def reference(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None, sinks=None):
-    """SDPA in float32 on the same (dtype-rounded) inputs; a plain softmax when soft-capped or with
-    attention sinks (an extra, value-less key per head whose logit is the sink)."""
-    qf, kf, vf = (t.float() for t in (q, k, v))
-    m = dense_mask(mask, q.shape[-2], k.shape[-2], segment_ids)
+def reference(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None, sinks=None, dtype=torch.float32):
+    """SDPA in `dtype` (float32, or float64 for the fuzz test) on the same (dtype-rounded) inputs; a
+    plain softmax when soft-capped or with attention sinks (an extra, value-less key per head whose
+    logit is the sink)."""
+    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
+    m = dense_mask(mask, q.shape[-2], k.shape[-2], segment_ids, heads=q.shape[-3])
     if q.dim() == 3:
         m = m[0]
     if soft_cap is None and sinks is None:
@@ -56,7 +57,7 @@ def reference(q, k, v, mask=None, *, scale=None, segment_ids=None, soft_cap=None
         logits = soft_cap * torch.tanh(logits / soft_cap)
     logits = logits.masked_fill(~m, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
+        sink = sinks.to(dtype).view(-1, 1, 1).expand(*logits.shape[:-1], 1)
         return torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1] @ vf
     probs = torch.softmax(logits, -1).nan_to_num(0.0)  # rows with no visible key give 0
     return probs @ vf

@@ -40,6 +40,7 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
             if q_name in b:
                 assert b[q_name] * b[kv_name] * max(head_dim, LANES) <= VMEM_BUDGET
                 assert (q_pad // b[q_name]) * (kv_pad // b[kv_name]) <= SMEM_TABLE_ENTRIES
+        assert b.get("block_q_dq", 0) <= 1024
     assert q_pad >= q_len and kv_pad >= kv_len and q_pad % LANES == 0 and kv_pad % LANES == 0
     q_names = ["block_q", "block_q_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_q_dq"])
     kv_names = ["block_kv", "block_kv_dkv"] + ([] if b["use_fused_bwd_kernel"] else ["block_kv_dq"])
@@ -69,6 +70,8 @@ def test_planned_blocks_prefer_large_sizes():
 
 
 def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
+    with pytest.raises(jax_core.SplashConstraintError, match=r"block_sizes.block_q_dq=2048.*dq kernel's q block"):
+        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dq=2048, block_kv_dq=512), "tpu", 128)
     # explicit: refused before any JAX work, naming the caller's fields (the TPU compiler's limit)
     with pytest.raises(jax_core.SplashConstraintError,
                        match=r"block_sizes.block_q=2048, block_sizes.block_kv=2048: the forward kernel's blocks"):

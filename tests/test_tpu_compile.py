@@ -58,7 +58,7 @@ DEFAULT = [
                       block_kv_dkv_compute=1024, block_q_dq=1024, block_kv_dq=1024)),
     # the VMEM rule's edge (jax_core/plan.py): block_q x block_kv x max(head_dim, 128) == 2**28
     _case("explicit-blocks-2048x1024", 4, 2, 4096, 4096, 128, "bfloat16", "CausalMask(0)",
-          blocks=dict(block_q=2048, block_kv=1024, block_q_dq=2048, block_kv_dq=1024, block_q_dkv=1024,
+          blocks=dict(block_q=2048, block_kv=1024, block_q_dq=1024, block_kv_dq=2048, block_q_dkv=1024,
                       block_kv_dkv=2048)),
     _case("head-dim-512-planned", 2, 1, 1024, 1024, 512, "float32", "CausalMask(0)"),
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2

@@ -125,7 +125,9 @@ def _as_int32(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, 
     ordered = joint.sort().values
     rank = torch.cat([ordered.new_zeros(1), (ordered[1:] != ordered[:-1]).cumsum(0)])
     renumbered = rank[torch.searchsorted(ordered, joint)].to(torch.int32)
-    return renumbered[: q_ids.numel()].view(q_ids.shape), renumbered[q_ids.numel():].view(kv_ids.shape)
+    # clones: a slice at an odd offset is not aligned for DLPack, and JAX would copy it
+    return (renumbered[: q_ids.numel()].view(q_ids.shape).clone(),
+            renumbered[q_ids.numel():].view(kv_ids.shape).clone())
 
 
 def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
