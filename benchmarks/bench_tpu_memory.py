@@ -10,6 +10,7 @@ the HBM it would need. Then the largest L (a multiple of 1024) each fits in one 
 
     ./dev.sh bench-tpu-memory            # L = 2K, 8K, 32K, 128K on v5e and v6e, and the largest L
     ./dev.sh bench-tpu-memory --quick    # L = 2K on v5e only (the test suite runs this)
+    ./dev.sh bench-tpu-memory --table    # the markdown table of the last full run (docs/tpu.md)
 
 Writes benchmarks/results/tpu_memory.json (or tpu_memory_quick.json).
 """
@@ -123,10 +124,37 @@ def run(quick: bool) -> dict:
         machine=f"{platform.machine()}, {os.cpu_count()} cores (compiling only)", rows=rows, largest=largest)
 
 
+def _gib(row: dict) -> str:
+    if "refused" in row:
+        return "refused by torch_splash"
+    figure = f"{row['bytes'] / GiB:.2f} GiB"
+    if row["fits"]:
+        return figure
+    return f"does not fit ({'a single buffer of ' if row.get('lower_bound') else ''}{figure} > {row['capacity'] / GiB:.2f})"
+
+
+def table(result: dict) -> str:
+    """The results as the markdown table docs/tpu.md shows."""
+    lines = ["| chip | L | torch_splash | torch SDPA on torch_xla | SDPA / splash |", "|---|---|---|---|---|"]
+    rows = {(r["generation"], r["L"], r["impl"]): r for r in result["rows"]}
+    for generation, length, _ in [k for k in rows if k[2] == "splash"]:
+        splash, sdpa = rows[(generation, length, "splash")], rows[(generation, length, "sdpa")]
+        ratio = f"{sdpa['bytes'] / splash['bytes']:.0f}x" if splash["fits"] and sdpa["fits"] else ""
+        lines.append(f"| {generation} | {length // 1024}K | {_gib(splash)} | {_gib(sdpa)} | {ratio} |")
+    for key, length in result["largest"].items():
+        generation, name = key.split("/")
+        lines.append(f"| {generation} | largest L that fits, {name} | {length // 1024}K | | |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="L=2K on v5e only")
+    parser.add_argument("--table", action="store_true", help="print the table of the last full run's results only")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads((ROOT / "benchmarks" / "results" / "tpu_memory.json").read_text())))
+        return
     if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
         from jax_core import aot
 
@@ -136,6 +164,7 @@ def main():
     result = run(args.quick)
     out = ROOT / "benchmarks" / "results" / ("tpu_memory_quick.json" if args.quick else "tpu_memory.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
     print(f"wrote {out.relative_to(ROOT)}")
 
 
