@@ -103,14 +103,6 @@ def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
                   stats.alias_size_in_bytes, stats.generated_code_size_in_bytes)
 
 
-def compile_program(fn, args, generation: str, mosaic_version: int | None = None) -> Memory:
-    """A jitted JAX function at (shape, dtype name) arguments, lowered for TPU exactly as the
-    in-graph transport hands it to torch_xla, then compiled for one chip of `generation`."""
-    from .transport import hlo_module
-
-    return compile_hlo(hlo_module(fn, args, "tpu", mosaic_version), generation)
-
-
 def hlo_text_to_proto(text: str) -> bytes:
     """HLO text (what torch_xla prints for a pending graph) as a serialized module."""
     from jax._src.lib import xla_client

@@ -145,6 +145,10 @@ def test_float16_is_served_at_least_as_accurately_as_sdpa(heads, length):
     for name, mine, theirs in zip(["out", "dq", "dk", "dv"], splash, sdpa):
         # one float16 rounding of the result (half an ulp) is the floor both share
         assert mine <= theirs * 1.05 + 1e-6, (name, splash, sdpa)
+    dropin = _float64_errors(lambda *t: torch_splash.scaled_dot_product_attention(*t, is_causal=True,
+                                                                                   enable_gqa=True),
+                             q, k, v, cotangent)
+    assert dropin == splash  # the SDPA drop-in is the same computation
 
 
 def test_explicit_blocks_with_rows_that_see_no_key_give_finite_correct_gradients():

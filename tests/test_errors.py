@@ -156,3 +156,18 @@ def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
                          dtype="float32", mask=jax_core.FullMask(), scale=1.0, block_sizes=blocks)
     assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
     assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128
+
+
+def test_unsupported_devices_are_a_splash_error_before_anything_else():
+    """A meta tensor is refused by name, before segment ids are touched (reading meta ids raised
+    torch's "Cannot copy out of meta tensor"); a cuda device is refused the same way."""
+    q = torch.empty(1, 2, 16, 64, device="meta")
+    with pytest.raises(SplashConstraintError, match=r"q is on meta"):
+        torch_splash.attention(q, q, q, segment_ids=torch.zeros(1, 16, dtype=torch.int64, device="meta"))
+    with pytest.raises(SplashConstraintError, match=r"q is on cuda"):
+        torch_splash._transport.platform_of(torch.device("cuda"))
+
+
+def test_every_public_error_is_a_splash_error():
+    assert issubclass(SplashConstraintError, torch_splash.SplashError) and issubclass(SplashConstraintError, ValueError)
+    assert issubclass(SplashDtypeError, torch_splash.SplashError) and issubclass(SplashDtypeError, TypeError)

@@ -186,7 +186,7 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         # sdpa (with right padding the next-token logits are read at such a row), and a row that
         # sees none (left padding) returns 0.
         kv_ids = torch.where(kv_valid, kv_ids.to(kv_valid.device) + 1, 0)
-        q_ids = q_ids + 1
+        q_ids = q_ids.to(kv_ids.device) + 1
     return SplashMask(mask, (q_ids.to(torch.int32), kv_ids.to(torch.int32)))
 
 

@@ -101,8 +101,7 @@ class _Deferred(Immutable):
     def __ror__(self, other):
         return Composed("or", _operand(other), self)
 
-    def __bool__(self):
-        raise SplashConstraintError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
+    __bool__ = Mask.__bool__
 
 
 def _operand(value):
