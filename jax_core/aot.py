@@ -17,8 +17,11 @@ import re
 
 import numpy as np
 
-# Without these, libtpu looks for a TPU VM's metadata server and its worker host names.
+# Without these, libtpu looks for a TPU VM's metadata server and its worker host names, and a
+# second process loading libtpu at the same time (two checks, or a benchmark beside the tests)
+# fails on libtpu's lockfile, which only guards a TPU that is not here.
 _LIBTPU_SETTINGS = {
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_SKIP_MDS_QUERY": "1",
     "TPU_WORKER_HOSTNAMES": "localhost",
     "TPU_ACCELERATOR_TYPE": "v5litepod-4",
