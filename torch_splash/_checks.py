@@ -33,13 +33,15 @@ class Call:
     unbatched: bool
     sinks: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None  # the caller's dtype, where the kernels compute in another
+    platform: str = "cpu"  # where the kernels run: "cpu" (interpret mode) or "tpu"
 
 
 def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(d) for d in t.shape) + ")"
 
 
-def _check_tensors(q, k, v) -> bool:
+def _check_tensors(q, k, v) -> tuple[bool, str]:
+    """(whether the inputs are unbatched, the kernels' platform)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
@@ -55,7 +57,7 @@ def _check_tensors(q, k, v) -> bool:
         raise SplashConstraintError(
             f"q, k, v are on devices {q.device}, {k.device}, {v.device}: move them to one device."
         )
-    _transport.platform_of(q.device)  # a device the kernels cannot run on is refused here
+    platform = _transport.platform_of(q.device)  # a device the kernels cannot run on is refused here
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.dtype.is_floating_point:
             raise SplashDtypeError(f"{name} has dtype {t.dtype}: attention needs float32, bfloat16 or float16 inputs.")
@@ -93,7 +95,7 @@ def _check_tensors(q, k, v) -> bool:
             f"the number of key/value heads (MHA, GQA, MQA). Valid kv head counts for {hq} query "
             f"heads: {nearest}."
         )
-    return unbatched
+    return unbatched, platform
 
 
 def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str, device) -> torch.Tensor:
@@ -176,7 +178,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
-    unbatched = _check_tensors(q, k, v)
+    unbatched, platform = _check_tensors(q, k, v)
     if unbatched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     batch, _, q_len, head_dim = q.shape
@@ -202,6 +204,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
         unbatched=unbatched,
         sinks=sinks,
         out_dtype=out_dtype,
+        platform=platform,
     )
 
 

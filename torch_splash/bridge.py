@@ -222,7 +222,7 @@ def _attention(q, k, v, mask=None, *, mask_source=None, scale=None, segment_ids=
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     chosen = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
-    plan = _plan(call, block_sizes, _transport.platform_of(call.q.device), sharding)
+    plan = _plan(call, block_sizes, call.platform, sharding)
     index, q_ids, kv_ids = _call_index(plan, sharding), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
