@@ -25,7 +25,10 @@ return 0 with zero gradients, as SDPA does.
 from __future__ import annotations
 
 import collections
-import functools
+import ctypes
+import gc
+import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -252,7 +255,62 @@ def _structured_kernel(plan: Plan, bound_mask) -> _splash.SplashAttentionKernel:
     )
 
 
-@functools.lru_cache(maxsize=128)
-def program(plan: Plan) -> Program:
-    """The compiled program for a plan; a second call with an equal plan traces nothing."""
-    return Program(plan)
+class _ProgramCache:
+    """The programs of the most recently used plans, with the memory JAX keeps for them bounded.
+
+    A Program's own jitted functions die with it, but JAX's tracing caches also hold entries keyed
+    on the splash module's long-lived jitted kernel (traced jaxprs, abstract evaluations, about
+    three entries per distinct shape) and release them only at their own bounds of 2048 to 4096
+    entries: hundreds of shapes later, about 0.6 MB each. So each time the cache has turned over
+    (as many programs evicted as it holds), JAX's caches are cleared and the freed heap returned
+    to the OS. The live programs then recompile on their next call: at most once per turnover,
+    and never for a workload whose shapes fit in the cache (which evicts nothing).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._programs: collections.OrderedDict[Plan, Program] = collections.OrderedDict()
+        self._evicted = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, plan: Plan) -> Program:
+        """The compiled program for a plan; a second call with an equal plan traces nothing."""
+        with self._lock:
+            found = self._programs.get(plan)
+            if found is not None:
+                self._programs.move_to_end(plan)
+                return found
+        built = Program(plan)  # outside the lock: building tables can take seconds at long L
+        with self._lock:
+            found = self._programs.setdefault(plan, built)
+            self._programs.move_to_end(plan)
+            while len(self._programs) > self.size:
+                self._programs.popitem(last=False)
+                self._evicted += 1
+            turned_over = self._evicted >= self.size
+            if turned_over:
+                self._evicted = 0
+        if turned_over:
+            _release_jax_caches()
+        return found
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._programs.clear()
+            self._evicted = 0
+
+
+def _release_jax_caches() -> None:
+    jax.clear_caches()
+    gc.collect()  # a Program and its jitted functions form a cycle
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed heap for reuse otherwise
+    except (OSError, AttributeError):  # not glibc: the freed memory is reused, just not returned
+        pass
+
+
+# TORCH_SPLASH_PROGRAM_CACHE_SIZE: how many plans keep their compiled programs (default 128).
+program = _ProgramCache(int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128")))
