@@ -221,12 +221,19 @@ def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
 
 
 def _has_allowed_pair(plan: Plan) -> bool:
-    if isinstance(plan.mask, _masks.MultiHeadMask) or not plan.mask.computable:
-        return bool(plan.mask.dense(plan.q_len, plan.kv_len).any())
+    """Whether any head's mask allows a (query, key) pair: from block bounds for structured masks
+    (a dense (H, Lq, Lkv) evaluation of per-head masks would need 50 GB at 112K tokens)."""
     blocks = plan.block_sizes()
-    table = _tables.block_mask_table(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
-                                     blocks["block_q"], blocks["block_kv"])
-    return bool(table.any())
+    heads = plan.mask.masks if isinstance(plan.mask, _masks.MultiHeadMask) else (plan.mask,)
+    for mask in heads:
+        if not mask.computable:
+            allowed = mask.dense(plan.q_len, plan.kv_len).any()
+        else:
+            allowed = _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
+                                               blocks["block_q"], blocks["block_kv"]).any()
+        if allowed:
+            return True
+    return False
 
 
 def _structured_kernel(plan: Plan, bound_mask) -> _splash.SplashAttentionKernel:

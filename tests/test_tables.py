@@ -59,3 +59,19 @@ def test_compositions_never_skip_a_block_jax_would_compute():
         truly_any, truly_all = dense.any(axis=(1, 3)), dense.all(axis=(1, 3))
         assert ((table > 0) | ~truly_any).all()  # no non-empty block is skipped
         assert ((table < 2) | truly_all).all()  # no block is unmasked unless it is full
+
+
+def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
+    """Whether a per-head mask allows any pair is decided from block bounds: evaluated densely,
+    4 heads at 1M tokens would need 4 TB (it used to be, and was OOM-killed at 112K)."""
+    import jax_core
+    from jax_core import kernels
+
+    def plan(*heads):
+        return jax_core.plan(batch=1, num_q_heads=len(heads), num_kv_heads=1, q_len=2**20, kv_len=2**20,
+                             head_dim=128, head_dim_v=128, dtype="bfloat16", mask=masks.MultiHeadMask(heads),
+                             scale=1.0, soft_cap=None, has_segment_ids=False, block_sizes=None, platform="cpu",
+                             has_sinks=False)
+
+    assert kernels._has_allowed_pair(plan(masks.CausalMask(offset=-2**21), masks.LocalMask(4096, 0)))
+    assert not kernels._has_allowed_pair(plan(masks.CausalMask(offset=-2**21), masks.CausalMask(offset=-2**21)))
