@@ -8,6 +8,8 @@
 #   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
+#   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
+#   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
 #   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
 # The venv lives in .venv and is rebuilt only when pyproject.toml changes.
 set -euo pipefail
@@ -50,7 +52,9 @@ case "$cmd" in
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
   bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
+  bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
+  lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | bench-transports |" \
-          "bench-tpu-memory | hf-finetune" >&2; exit 2 ;;
+          "bench-tpu-memory | bench-report | lint | hf-finetune" >&2; exit 2 ;;
 esac

@@ -20,13 +20,12 @@ import os
 # one of the two cores from whichever JAX run comes next.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import json
-import pathlib
 import statistics
 import sys
 import time
 
 import jax
+import report  # benchmarks/report.py: results files and their tables
 import torch
 import torch.nn.functional as F
 
@@ -49,9 +48,18 @@ def contenders(batch, heads, length, dim):
     q, k, v = (torch.randn(batch, heads, length, dim, generator=g) for _ in range(3))
     do = torch.randn(batch, heads, length, dim, generator=g)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    plan = jax_core.plan(batch=batch, num_q_heads=heads, num_kv_heads=heads, q_len=length, kv_len=length,
-                         head_dim=dim, head_dim_v=dim, dtype="float32", mask=jax_core.CausalMask(0),
-                         scale=dim**-0.5)
+    plan = jax_core.plan(
+        batch=batch,
+        num_q_heads=heads,
+        num_kv_heads=heads,
+        q_len=length,
+        kv_len=length,
+        head_dim=dim,
+        head_dim_v=dim,
+        dtype="float32",
+        mask=jax_core.CausalMask(0),
+        scale=dim**-0.5,
+    )
     splash = jax_core.program(plan).kernel  # the splash kernel the bridge runs, vmapped over batch as it does
 
     def kernel(q, k, v):
@@ -92,9 +100,16 @@ def contenders(batch, heads, length, dim):
         clear_grads()
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
-    return dict(bridge_fwd=bridge_fwd, direct_fwd=direct_fwd, sdpa_fwd=sdpa_fwd,
-                bridge_fwd_train=bridge_fwd_train, direct_fwd_train=direct_fwd_train,
-                bridge_fwd_bwd=bridge_fwd_bwd, direct_fwd_bwd=direct_fwd_bwd, sdpa_fwd_bwd=sdpa_fwd_bwd)
+    return dict(
+        bridge_fwd=bridge_fwd,
+        direct_fwd=direct_fwd,
+        sdpa_fwd=sdpa_fwd,
+        bridge_fwd_train=bridge_fwd_train,
+        direct_fwd_train=direct_fwd_train,
+        bridge_fwd_bwd=bridge_fwd_bwd,
+        direct_fwd_bwd=direct_fwd_bwd,
+        sdpa_fwd_bwd=sdpa_fwd_bwd,
+    )
 
 
 def measure(fns, rounds, per_round):
@@ -131,26 +146,16 @@ def main(quick: bool = False):
     small = measure_all(contenders(1, 1, 128, 64), rounds=2 if quick else 10, per_round=5 if quick else 100)
     results = {
         "large": {"shape": "B={} H={} L={} D={} causal f32".format(*large), **big},
-        "small": {"shape": "B=1 H=1 L=128 D=64 causal f32", **small,
-                  "bridge_overhead_fwd_us": (small["bridge_fwd"] - small["direct_fwd"]) * 1e6,
-                  "bridge_overhead_fwd_bwd_us": (small["bridge_fwd_bwd"] - small["direct_fwd_bwd"]) * 1e6,
-                  "ratio_to_sdpa_fwd": small["bridge_fwd"] / small["sdpa_fwd"],
-                  "ratio_to_sdpa_fwd_bwd": small["bridge_fwd_bwd"] / small["sdpa_fwd_bwd"]},
+        "small": {
+            "shape": "B=1 H=1 L=128 D=64 causal f32",
+            **small,
+            "bridge_overhead_fwd_us": (small["bridge_fwd"] - small["direct_fwd"]) * 1e6,
+            "bridge_overhead_fwd_bwd_us": (small["bridge_fwd_bwd"] - small["direct_fwd_bwd"]) * 1e6,
+            "ratio_to_sdpa_fwd": small["bridge_fwd"] / small["sdpa_fwd"],
+            "ratio_to_sdpa_fwd_bwd": small["bridge_fwd_bwd"] / small["sdpa_fwd_bwd"],
+        },
     }
-    lg, sm = results["large"], results["small"]
-    print(f"| {lg['shape']} | bridge | direct JAX | ratio (target <= 1.05) | SDPA |")
-    print("|---|---|---|---|---|")
-    print(f"| forward, no grad | {lg['bridge_fwd']*1e3:.0f} ms | {lg['direct_fwd']*1e3:.0f} ms | {lg['ratio_fwd']:.3f} | {lg['sdpa_fwd']*1e3:.0f} ms |")
-    print(f"| forward, inputs requiring grad (vs jax.vjp forward) | {lg['bridge_fwd_train']*1e3:.0f} ms | {lg['direct_fwd_train']*1e3:.0f} ms | {lg['ratio_fwd_train']:.3f} | |")
-    print(f"| forward+backward | {lg['bridge_fwd_bwd']*1e3:.0f} ms | {lg['direct_fwd_bwd']*1e3:.0f} ms | {lg['ratio_fwd_bwd']:.3f} | {lg['sdpa_fwd_bwd']*1e3:.0f} ms |")
-    print()
-    print(f"| {sm['shape']} | bridge | direct JAX | bridge overhead | SDPA | bridge / SDPA |")
-    print("|---|---|---|---|---|---|")
-    print(f"| forward, no grad | {sm['bridge_fwd']*1e6:.0f} us | {sm['direct_fwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_us']:.0f} us | {sm['sdpa_fwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd']:.1f}x |")
-    print(f"| forward+backward | {sm['bridge_fwd_bwd']*1e6:.0f} us | {sm['direct_fwd_bwd']*1e6:.0f} us | {sm['bridge_overhead_fwd_bwd_us']:.0f} us | {sm['sdpa_fwd_bwd']*1e6:.0f} us | {sm['ratio_to_sdpa_fwd_bwd']:.1f}x |")
-    out = pathlib.Path(__file__).parent / "results" / ("bridge_quick.json" if quick else "bridge.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    report.save("bridge", results, quick, "./dev.sh bench")
     return results
 
 

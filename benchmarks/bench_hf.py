@@ -15,18 +15,24 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_bridge.py
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
+import report  # benchmarks/report.py: results files and their tables
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 import torch_splash.hf  # noqa: F401
 
-COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=8192)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
 MODELS = {
     "llama (causal)": lambda: LlamaConfig(**COMMON),
     "mistral (sliding window 256)": lambda: MistralConfig(**COMMON, sliding_window=256),
@@ -63,14 +69,20 @@ def main():
                 for impl in times:
                     times[impl].append(step_time(model, impl, ids))
             ratio = statistics.median(a / b for a, b in zip(times["splash"], times["sdpa"]))
-            row = {"model": name, "length": length, "splash_s": statistics.median(times["splash"]),
-                   "sdpa_s": statistics.median(times["sdpa"]), "ratio": ratio}
+            row = {
+                "model": name,
+                "length": length,
+                "splash_s": statistics.median(times["splash"]),
+                "sdpa_s": statistics.median(times["sdpa"]),
+                "ratio": ratio,
+            }
             rows.append(row)
-            print(f"{name:30s} L={length:5d}  splash {row['splash_s']:7.3f} s  sdpa {row['sdpa_s']:7.3f} s  "
-                  f"splash/sdpa {ratio:5.2f}x", flush=True)
-    out = pathlib.Path(__file__).parent / "results" / ("hf_quick.json" if args.quick else "hf.json")
-    out.write_text(json.dumps({"rounds": args.rounds, "rows": rows}, indent=1) + "\n")
-    print(f"results written to {out}")
+            print(
+                f"{name:30s} L={length:5d}  splash {row['splash_s']:7.3f} s  sdpa {row['sdpa_s']:7.3f} s  "
+                f"splash/sdpa {ratio:5.2f}x",
+                flush=True,
+            )
+    report.save("hf", {"rounds": args.rounds, "rows": rows}, args.quick, "./dev.sh bench-hf")
 
 
 if __name__ == "__main__":

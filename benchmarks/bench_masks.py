@@ -16,11 +16,10 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_bridge.py
 
-import json
-import pathlib
 import sys
 import time
 
+import report  # benchmarks/report.py: results files and their tables
 import torch
 import torch.nn.functional as F
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as jax_info
@@ -80,20 +79,7 @@ def window_benchmark(quick):
 
 def main(quick=False):
     results = {"tables": tables_benchmark(quick), "window_1024": window_benchmark(quick)}
-    print("\n| mask | L | jax_core.tables | JAX _process_mask | speedup |")
-    print("|---|---|---|---|---|")
-    for r in results["tables"]:
-        jax_s = f"{r['jax_s']:.3f} s" if "jax_s" in r else "not run"
-        speed = f"{r['speedup']:.0f}x" if "speedup" in r else ""
-        print(f"| {r['mask']} | {r['L'] // 1024}K | {r['ours_s']:.3f} s | {jax_s} | {speed} |")
-    print("\n| L | splash LocalMask(1023) forward | SDPA, dense bool mask | splash time / L, relative to 2K |")
-    print("|---|---|---|---|")
-    base = results["window_1024"][0]["splash_s"] / results["window_1024"][0]["L"]
-    for r in results["window_1024"]:
-        print(f"| {r['L'] // 1024}K | {r['splash_s']:.2f} s | {r['sdpa_dense_s']:.2f} s | {r['splash_s'] / r['L'] / base:.2f} |")
-    out = pathlib.Path(__file__).parent / "results" / ("masks_quick.json" if quick else "masks.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    report.save("masks", results, quick, "./dev.sh bench-masks")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ the HBM it would need. Then the largest L (a multiple of 1024) each fits in one 
 
     ./dev.sh bench-tpu-memory            # L = 2K, 8K, 32K, 128K on v5e and v6e, and the largest L
     ./dev.sh bench-tpu-memory --quick    # L = 2K on v5e only (the test suite runs this)
-    ./dev.sh bench-tpu-memory --table    # the markdown table of the last full run (docs/tpu.md)
 
 Writes benchmarks/results/tpu_memory.json (or tpu_memory_quick.json).
 """
@@ -19,10 +18,11 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
+
+import report  # benchmarks/report.py: results files and their tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -97,7 +97,6 @@ def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -
 
 def run(quick: bool) -> dict:
     from jax_core import aot, mosaic
-
     from torch_splash import _transport
 
     _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
@@ -109,8 +108,15 @@ def run(quick: bool) -> dict:
             for name in ("splash", "sdpa"):
                 start = time.perf_counter()
                 result = measure(length, name == "splash", generation)
-                rows.append(dict(generation=generation, L=length, impl=name, **result,
-                                 seconds=round(time.perf_counter() - start, 1)))
+                rows.append(
+                    dict(
+                        generation=generation,
+                        L=length,
+                        impl=name,
+                        **result,
+                        seconds=round(time.perf_counter() - start, 1),
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
     largest = {}
     if not quick:
@@ -120,41 +126,18 @@ def run(quick: bool) -> dict:
                 print(generation, name, "largest L:", largest[f"{generation}/{name}"], flush=True)
     return dict(
         shape=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16", mask="causal"),
-        libtpu=mosaic.PINNED_LIBTPU, mosaic_ir_version=mosaic.ir_version(), topologies=aot.TOPOLOGIES,
-        machine=f"{platform.machine()}, {os.cpu_count()} cores (compiling only)", rows=rows, largest=largest)
-
-
-def _gib(row: dict) -> str:
-    if "refused" in row:
-        return "refused by torch_splash"
-    figure = f"{row['bytes'] / GiB:.2f} GiB"
-    if row["fits"]:
-        return figure
-    return f"does not fit ({'a single buffer of ' if row.get('lower_bound') else ''}{figure} > {row['capacity'] / GiB:.2f})"
-
-
-def table(result: dict) -> str:
-    """The results as the markdown table docs/tpu.md shows."""
-    lines = ["| chip | L | torch_splash | torch SDPA on torch_xla | SDPA / splash |", "|---|---|---|---|---|"]
-    rows = {(r["generation"], r["L"], r["impl"]): r for r in result["rows"]}
-    for generation, length, _ in [k for k in rows if k[2] == "splash"]:
-        splash, sdpa = rows[(generation, length, "splash")], rows[(generation, length, "sdpa")]
-        ratio = f"{sdpa['bytes'] / splash['bytes']:.0f}x" if splash["fits"] and sdpa["fits"] else ""
-        lines.append(f"| {generation} | {length // 1024}K | {_gib(splash)} | {_gib(sdpa)} | {ratio} |")
-    for key, length in result["largest"].items():
-        generation, name = key.split("/")
-        lines.append(f"| {generation} | largest L that fits, {name} | {length // 1024}K | | |")
-    return "\n".join(lines)
+        libtpu=mosaic.PINNED_LIBTPU,
+        mosaic_ir_version=mosaic.ir_version(),
+        topologies=aot.TOPOLOGIES,
+        rows=rows,
+        largest=largest,
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="L=2K on v5e only")
-    parser.add_argument("--table", action="store_true", help="print the table of the last full run's results only")
     args = parser.parse_args()
-    if args.table:
-        print(table(json.loads((ROOT / "benchmarks" / "results" / "tpu_memory.json").read_text())))
-        return
     if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
         from jax_core import aot
 
@@ -162,10 +145,7 @@ def main():
         env["PJRT_DEVICE"] = "CPU"
         sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env))
     result = run(args.quick)
-    out = ROOT / "benchmarks" / "results" / ("tpu_memory_quick.json" if args.quick else "tpu_memory.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
-    print(f"wrote {out.relative_to(ROOT)}")
+    report.save("tpu_memory", result, args.quick, "./dev.sh bench-tpu-memory")
 
 
 if __name__ == "__main__":

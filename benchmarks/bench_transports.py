@@ -14,12 +14,11 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_bridge.py
 
-import json
-import pathlib
 import statistics
 import sys
 import time
 
+import report  # benchmarks/report.py: results files and their tables
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,11 +40,11 @@ class Model(nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        b, l, _ = x.shape
+        b, length, _ = x.shape
         for qkv in self.qkv:
             q, k, v = qkv(x).split([HEADS * self.head_dim, KV_HEADS * self.head_dim, KV_HEADS * self.head_dim], -1)
-            q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            x = x + self.attn(q, k, v).transpose(1, 2).reshape(b, l, DIM)
+            q, k, v = (t.view(b, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            x = x + self.attn(q, k, v).transpose(1, 2).reshape(b, length, DIM)
         return self.out(x)
 
 
@@ -81,13 +80,8 @@ def main(quick=False):
         "dlpack": run(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack"), steps),
         "sdpa": run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), steps),
     }
-    print(f"| B={BATCH} L={LENGTH} 2 layers, torch_xla CPU device | step time | XLA executions per step |")
-    print("|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['step_s'] * 1e3:.0f} ms | {r['executions_per_step']} |")
-    out = pathlib.Path(__file__).parent / "results" / ("transports_quick.json" if quick else "transports.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    results["setting"] = f"B={BATCH} L={LENGTH}, 2 layers, torch_xla CPU device"
+    report.save("transports", results, quick, "./dev.sh bench-transports")
 
 
 if __name__ == "__main__":

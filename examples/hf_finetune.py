@@ -15,8 +15,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import torch_splash.hf  # noqa: F401  registers attn_implementation="splash"
 
-CONFIG = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512)
+CONFIG = dict(
+    vocab_size=64,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def batches(steps, batch_size=4, seq_len=128, vocab=CONFIG["vocab_size"]):

@@ -33,12 +33,13 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
     def forward(self, x, attn):
-        b, l, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([HEADS * self.head_dim, KV_HEADS * self.head_dim,
-                                                 KV_HEADS * self.head_dim], dim=-1)
+        b, length, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [HEADS * self.head_dim, KV_HEADS * self.head_dim, KV_HEADS * self.head_dim], dim=-1
+        )
         # (B, L, H, D) -> (B, H, L, D): transposed views, as most models pass them
-        q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        x = x + self.proj(attn(q, k, v).transpose(1, 2).reshape(b, l, DIM))
+        q, k, v = (t.view(b, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        x = x + self.proj(attn(q, k, v).transpose(1, 2).reshape(b, length, DIM))
         return x + self.mlp(self.norm2(x))
 
 
@@ -61,7 +62,7 @@ def train(attn, data):
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, start = [], time.perf_counter()
-    for step in range(STEPS):
+    for _ in range(STEPS):
         tokens = data
         logits = model(tokens[:, :-1], attn)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))

@@ -3,8 +3,8 @@
 from .errors import SplashConstraintError, SplashDtypeError, SplashError
 from .kernels import TRACES, Program, program
 from .masks import (
-    ChunkedCausalMask,
     CausalMask,
+    ChunkedCausalMask,
     DenseMask,
     FullMask,
     LocalMask,

@@ -102,8 +102,13 @@ def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
             raise OutOfMemory(message, float(buffer[1]), float(buffer[2]), lower_bound=True) from None
         raise
     stats = executable.get_compiled_memory_stats()
-    return Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
-                  stats.alias_size_in_bytes, stats.generated_code_size_in_bytes)
+    return Memory(
+        stats.argument_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.temp_size_in_bytes,
+        stats.alias_size_in_bytes,
+        stats.generated_code_size_in_bytes,
+    )
 
 
 def hlo_text_to_proto(text: str) -> bytes:

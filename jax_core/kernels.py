@@ -132,9 +132,12 @@ class Program:
         # Where each residual comes from in the backward: a kernel input, the output, the
         # logsumexp, or a constant block table (concrete, not traced).
         self._sources = [
-            ("input", next(i for i, x in enumerate(inputs) if x is leaf)) if any(x is leaf for x in inputs)
-            else ("out", None) if leaf is out
-            else ("lse", None) if leaf is lse
+            ("input", next(i for i, x in enumerate(inputs) if x is leaf))
+            if any(x is leaf for x in inputs)
+            else ("out", None)
+            if leaf is out
+            else ("lse", None)
+            if leaf is lse
             else ("const", leaf)
             for leaf in leaves
         ]
@@ -229,8 +232,9 @@ def _has_allowed_pair(plan: Plan) -> bool:
         if not mask.computable:
             allowed = mask.dense(plan.q_len, plan.kv_len).any()
         else:
-            allowed = _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
-                                               blocks["block_q"], blocks["block_kv"]).any()
+            allowed = _tables.block_mask_table(
+                mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, blocks["block_q"], blocks["block_kv"]
+            ).any()
         if allowed:
             return True
     return False
@@ -243,8 +247,16 @@ def _structured_kernel(plan: Plan, bound_mask) -> _splash.SplashAttentionKernel:
     fused = block_sizes.use_fused_bwd_kernel
 
     def info(block_shape, is_dkv, shrink_grid):
-        numpy_info = _tables.mask_info(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len,
-                                       block_shape, is_dkv, shrink_grid, mask_function is not None)
+        numpy_info = _tables.mask_info(
+            plan.mask,
+            plan.q_len_padded,
+            plan.kv_len_padded,
+            plan.kv_len,
+            block_shape,
+            is_dkv,
+            shrink_grid,
+            mask_function is not None,
+        )
         return jax.tree.map(jnp.array, numpy_info)
 
     return _splash.SplashAttentionKernel(

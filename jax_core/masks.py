@@ -29,7 +29,8 @@ def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimu
     if abs(value) > _INT_LIMIT:
         raise SplashConstraintError(
             f"{owner}: {name}={value!r} is beyond +-2**30: the kernel adds it to int32 positions. Any value past "
-            "the sequence lengths means the same as one at them, so use a smaller one.")
+            "the sequence lengths means the same as one at them, so use a smaller one."
+        )
     return int(value)
 
 
@@ -116,14 +117,16 @@ def _combine(op, left, right):
         if not isinstance(side, Mask):
             raise SplashConstraintError(
                 f"cannot combine a mask with {type(side).__name__}: combine torch_splash.masks masks (a bool tensor "
-                "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod).")
+                "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod)."
+            )
     if isinstance(left, MultiHeadMask) or isinstance(right, MultiHeadMask):
         heads = [m.masks if isinstance(m, MultiHeadMask) else None for m in (left, right)]
         count = {len(h) for h in heads if h is not None}
         if len(count) > 1:
             raise SplashConstraintError(
                 f"cannot combine per-head masks of {' and '.join(str(c) for c in sorted(count))} heads: they combine "
-                "head by head, so their head counts must match.")
+                "head by head, so their head counts must match."
+            )
         (n,) = count
         left_heads, right_heads = (h if h is not None else (m,) * n for h, m in zip(heads, (left, right)))
         return MultiHeadMask(tuple(op(a, b) for a, b in zip(left_heads, right_heads)))
@@ -181,8 +184,12 @@ class LocalMask(Mask):
     offset: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "window_left", _check_int("LocalMask", "window_left", self.window_left, allow_none=True, minimum=0))
-        object.__setattr__(self, "window_right", _check_int("LocalMask", "window_right", self.window_right, allow_none=True, minimum=0))
+        object.__setattr__(
+            self, "window_left", _check_int("LocalMask", "window_left", self.window_left, allow_none=True, minimum=0)
+        )
+        object.__setattr__(
+            self, "window_right", _check_int("LocalMask", "window_right", self.window_right, allow_none=True, minimum=0)
+        )
         object.__setattr__(self, "offset", _check_int("LocalMask", "offset", self.offset))
 
     def allows(self, q_ids, kv_ids):
@@ -235,7 +242,9 @@ class ChunkedCausalMask(Mask):
     chunk_size: int
 
     def __post_init__(self):
-        object.__setattr__(self, "chunk_size", _check_int("ChunkedCausalMask", "chunk_size", self.chunk_size, minimum=1))
+        object.__setattr__(
+            self, "chunk_size", _check_int("ChunkedCausalMask", "chunk_size", self.chunk_size, minimum=1)
+        )
 
     def allows(self, q_ids, kv_ids):
         return (q_ids // self.chunk_size == kv_ids // self.chunk_size) & (q_ids >= kv_ids)
@@ -243,6 +252,7 @@ class ChunkedCausalMask(Mask):
     def blocks(self, q0, q1, k0, k1):
         c = self.chunk_size
         first, last = np.maximum(q0 // c, k0 // c), np.minimum(q1 // c, k1 // c)  # shared chunks
+
         # A chunk strictly inside both ranges holds a causal pair; at the two end chunks, the
         # smallest key of the chunk must not exceed its largest query.
         def causal_pair_in(chunk):
@@ -349,9 +359,7 @@ class MultiHeadMask(Mask):
             raise SplashConstraintError("MultiHeadMask([]): give one mask per query head.")
         for m in masks:
             if not isinstance(m, Mask) or isinstance(m, MultiHeadMask):
-                raise SplashConstraintError(
-                    f"MultiHeadMask takes masks of a single head each, got {type(m).__name__}."
-                )
+                raise SplashConstraintError(f"MultiHeadMask takes masks of a single head each, got {type(m).__name__}.")
         object.__setattr__(self, "masks", masks)
 
     @property

@@ -17,8 +17,8 @@ compiles with. So torch_splash decides, in this order:
 The table was measured by compiling a Pallas kernel serialized at every version 1 to 9 with each
 release (deviceless, for v5e): each reads every version up to its newest and refuses the next one
 ("Unsupported version: expected <= 7 but got 8"). 0.0.21.1 reads 7 like 0.0.21; 0.0.24, 0.0.30,
-0.0.40 and 0.0.52 read 8 like 0.0.22 (9 is refused by jax 0.7.1's own serializer). A libtpu built before the oldest release
-measured is refused with a `SplashConstraintError` before anything is lowered.
+0.0.40 and 0.0.52 read 8 like 0.0.22 (9 is refused by jax 0.7.1's own serializer). A libtpu built
+before the oldest release measured is refused with a `SplashConstraintError` before anything is lowered.
 
 This module imports no JAX at import time (dev.sh reads PINNED_LIBTPU from it).
 """
@@ -64,14 +64,16 @@ def newest_readable(release: str | None = None, built: datetime.date | None = No
         if key < _release_key(oldest_release):
             raise SplashConstraintError(
                 f"libtpu {release} is older than every libtpu the splash kernels were compiled with here "
-                f"(oldest: {oldest_release}). Install the libtpu torch_xla pins: pip install 'torch_xla[tpu]'.")
+                f"(oldest: {oldest_release}). Install the libtpu torch_xla pins: pip install 'torch_xla[tpu]'."
+            )
         return max(reads for measured, _, reads in MEASURED if _release_key(measured) <= key)
     if built is not None:
         if built < oldest_date:
             raise SplashConstraintError(
                 f"the libtpu in use was built on {built}, before every libtpu the splash kernels were compiled "
                 f"with here (oldest: {oldest_release}, built {oldest_date}). Install the libtpu torch_xla pins: "
-                "pip install 'torch_xla[tpu]'.")
+                "pip install 'torch_xla[tpu]'."
+            )
         return max(reads for _, date, reads in MEASURED if date <= built)
     return newest_readable(PINNED_LIBTPU)
 

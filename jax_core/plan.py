@@ -45,8 +45,11 @@ VMEM_BUDGET = 1 << 28
 # (size=1179648) would exceed memory (size=1048576) ... space=smem": the int16 table alone).
 SMEM_TABLE_ENTRIES = 1 << 18
 DQ_MAX_Q_BLOCK = 1024
-_KERNEL_BLOCKS = (("forward", "block_q", "block_kv"), ("dq", "block_q_dq", "block_kv_dq"),
-                  ("dkv", "block_q_dkv", "block_kv_dkv"))
+_KERNEL_BLOCKS = (
+    ("forward", "block_q", "block_kv"),
+    ("dq", "block_q_dq", "block_kv_dq"),
+    ("dkv", "block_q_dkv", "block_kv_dkv"),
+)
 
 _KV_FIELDS = ("block_kv", "block_kv_compute", "block_kv_dq", "block_kv_dkv", "block_kv_dkv_compute")
 _Q_BWD_FIELDS = ("block_q_dq", "block_q_dkv")
@@ -201,7 +204,8 @@ def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int) -> None:
                     f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28, and the dq "
                     f"kernel's q block at most {DQ_MAX_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. "
                     "2048 x 1024 at head_dim 128, 1024 x 1024 at 256). Use smaller blocks, or leave them None to "
-                    "have them planned.")
+                    "have them planned."
+                )
             name = max(planned, key=lambda n: blocks[n])
             blocks[name] //= 2
 
@@ -224,9 +228,13 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
             continue
         while table_heads * -(-q128 // blocks[q_name]) * -(-kv128 // blocks[kv_name]) > SMEM_TABLE_ENTRIES:
             grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
-            candidates = [n for n, (bq, bkv) in grown.items()
-                          if getattr(user, n) is None and blocks[n] < (q128 if n == q_name else kv128)
-                          and _fits_vmem(2 * bq, bkv, head_dim, kernel)]
+            candidates = [
+                n
+                for n, (bq, bkv) in grown.items()
+                if getattr(user, n) is None
+                and blocks[n] < (q128 if n == q_name else kv128)
+                and _fits_vmem(2 * bq, bkv, head_dim, kernel)
+            ]
             if not candidates:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
                 raise SplashConstraintError(
@@ -234,14 +242,16 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
                     f"needs {table_heads} x {-(-q128 // blocks[q_name])} x {-(-kv128 // blocks[kv_name])} block-table "
                     f"entries, more than the {SMEM_TABLE_ENTRIES} the TPU's 1 MiB SMEM holds, even with the largest "
                     "blocks its VMEM allows. Use larger explicit blocks if they were set, a per-head mask shared by "
-                    "all heads, or split the sequence across devices.")
+                    "all heads, or split the sequence across devices."
+                )
             name = min(candidates, key=lambda n: blocks[n])
             blocks[name] *= 2
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_blocks(q_len: int, kv_len: int, user: BlockSizes, platform: str,
-                head_dim: int = LANES, table_heads: int = 1) -> tuple[int, int, tuple]:
+def plan_blocks(
+    q_len: int, kv_len: int, user: BlockSizes, platform: str, head_dim: int = LANES, table_heads: int = 1
+) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
     target = _TARGETS[platform]

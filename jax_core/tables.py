@@ -67,8 +67,16 @@ def block_mask_table(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: 
 
 
 @functools.lru_cache(maxsize=64)
-def mask_info(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: int, block_shape: tuple[int, int],
-              is_dkv: bool, shrink_grid: bool, has_mask_function: bool) -> _mask_info.MaskInfo:
+def mask_info(
+    spec: Mask,
+    q_len_padded: int,
+    kv_len_padded: int,
+    kv_len: int,
+    block_shape: tuple[int, int],
+    is_dkv: bool,
+    shrink_grid: bool,
+    has_mask_function: bool,
+) -> _mask_info.MaskInfo:
     """The MaskInfo `_process_mask` would build for this mask on every head of one device (NumPy)."""
     block_q, block_kv = block_shape
     block_mask = block_mask_table(spec, q_len_padded, kv_len_padded, kv_len, block_q, block_kv)

@@ -53,8 +53,9 @@ def from_capsule(capsule) -> jax.Array:
     return jax.dlpack.from_dlpack(_Capsule(capsule))
 
 
-def hlo_module(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str,
-               mosaic_version: int | None = None) -> bytes:
+def hlo_module(
+    fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mosaic_version: int | None = None
+) -> bytes:
     """`fn` at these (shape, dtype name) arguments, lowered for `platform` ("cpu" or "tpu") to a
     serialized HLO module: what torch_xla splices into its lazy graph.
 

@@ -1,7 +1,7 @@
 import torch
+from conftest import reference
 
 import torch_splash
-from conftest import reference
 
 TOL = {
     # f32: the kernel accumulates in f32 like SDPA; measured errors are about 1e-6 (out) and 1e-5 (grads).
@@ -44,7 +44,7 @@ def assert_matches_reference(q, k, v, mask=None, **kwargs):
     (oa, orr), (ga, gr) = TOL[dtype]["out"], TOL[dtype]["grad"]
     torch.testing.assert_close(out.cpu().float(), ref_out, atol=oa, rtol=orr)
     for name, mine, ref in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(mine.cpu().float(), ref, atol=ga, rtol=gr, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(mine.cpu().float(), ref, atol=ga, rtol=gr, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def xla_metric_count(name: str) -> int:

@@ -57,15 +57,21 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
     from torch_splash import _checks, _sharding
 
     device = xla_in[0].device
-    call = _checks.check_call(*xla_in, mask, None, None if ids is None else ids.to(device), None,
-                              None if sinks is None else sinks.to(device))
+    call = _checks.check_call(
+        *xla_in, mask, None, None if ids is None else ids.to(device), None, None if sinks is None else sinks.to(device)
+    )
     sharding = _sharding.check(spec, mesh, call, None)
     call = sharding.spread_single_kv_head(call)
     plan = bridge._plan(call, None, "tpu", sharding)
     program = jax_core.program(plan)
-    shapes = [(plan.batch, h, length, d) for h, length, d in ((plan.num_q_heads, plan.q_len, plan.head_dim),
-                                                             (plan.num_kv_heads, plan.kv_len, plan.head_dim),
-                                                             (plan.num_kv_heads, plan.kv_len, plan.head_dim_v))]
+    shapes = [
+        (plan.batch, h, length, d)
+        for h, length, d in (
+            (plan.num_q_heads, plan.q_len, plan.head_dim),
+            (plan.num_kv_heads, plan.kv_len, plan.head_dim),
+            (plan.num_kv_heads, plan.kv_len, plan.head_dim_v),
+        )
+    ]
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
     if ids is not None:
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
@@ -124,8 +130,14 @@ def main(names):
         for t, s in zip(xla_in, (spec, kv_spec, kv_spec)):
             if name != "inputs-not-marked":  # otherwise XLA reshards them to partition_spec
                 xs.mark_sharding(t, mesh, s)
-        out = torch_splash.attention(*xla_in, mask, segment_ids=None if ids is None else ids.to(device),
-                                     sinks=xla_sinks, partition_spec=spec, mesh=mesh)
+        out = torch_splash.attention(
+            *xla_in,
+            mask,
+            segment_ids=None if ids is None else ids.to(device),
+            sinks=xla_sinks,
+            partition_spec=spec,
+            mesh=mesh,
+        )
         (out * cotangent.to(device)).sum().backward()
         torch_xla.sync()
         local = {plan for plan, sharding in RAN if sharding is not None}
@@ -135,16 +147,23 @@ def main(names):
         tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh)
         if sinks is not None:
             xla_in, ref_in = xla_in + [xla_sinks], ref_in + [ref_sinks]
-        print(json.dumps({
-            "case": name,
-            "out": (out.cpu() - ref).abs().max().item(),
-            # relative to the gradient's size where that exceeds 1 (d_sinks sums over B*Hq*L terms)
-            "grads": [((x.grad.cpu() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1)).item()
-                      for x, r in zip(xla_in, ref_in)],
-            "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
-            "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads],
-            "tpu_custom_calls": tpu_calls,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": name,
+                    "out": (out.cpu() - ref).abs().max().item(),
+                    # relative to the gradient's size where that exceeds 1 (d_sinks sums over B*Hq*L terms)
+                    "grads": [
+                        ((x.grad.cpu() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1)).item()
+                        for x, r in zip(xla_in, ref_in)
+                    ],
+                    "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
+                    "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads],
+                    "tpu_custom_calls": tpu_calls,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_matches_reference, make_qkv
 
 import torch_splash
-from helpers import assert_matches_reference, make_qkv
 from torch_splash.masks import CausalMask
 
 HEADS = [(1, 1), (2, 2), (4, 1), (8, 4), (6, 2)]
@@ -43,9 +43,7 @@ def test_matches_sdpa(heads, dims, q_len, kv_len, mask, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "heads,dims,length,mask,dtype", list(itertools.product(HEADS, DIMS, LENGTHS, MASKS, DTYPES))
-)
+@pytest.mark.parametrize("heads,dims,length,mask,dtype", list(itertools.product(HEADS, DIMS, LENGTHS, MASKS, DTYPES)))
 def test_matches_sdpa_sweep(heads, dims, length, mask, dtype):
     q, k, v = make_qkv(2, *heads, length, length, *dims, dtype)
     assert_matches_reference(q, k, v, mask)
@@ -139,15 +137,19 @@ def test_float16_is_served_at_least_as_accurately_as_sdpa(heads, length):
     out.float().sum().backward()
     assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.float16
     splash = _float64_errors(lambda *t: torch_splash.attention(*t, "causal"), q, k, v, cotangent)
-    sdpa = _float64_errors(lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True,
-                                                                                       enable_gqa=True),
-                           q, k, v, cotangent)
+    sdpa = _float64_errors(
+        lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True),
+        q,
+        k,
+        v,
+        cotangent,
+    )
     for name, mine, theirs in zip(["out", "dq", "dk", "dv"], splash, sdpa):
         # one float16 rounding of the result (half an ulp) is the floor both share
         assert mine <= theirs * 1.05 + 1e-6, (name, splash, sdpa)
-    dropin = _float64_errors(lambda *t: torch_splash.scaled_dot_product_attention(*t, is_causal=True,
-                                                                                   enable_gqa=True),
-                             q, k, v, cotangent)
+    dropin = _float64_errors(
+        lambda *t: torch_splash.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True), q, k, v, cotangent
+    )
     assert dropin == splash  # the SDPA drop-in is the same computation
 
 

@@ -3,11 +3,11 @@
 import jax
 import pytest
 import torch
+from helpers import assert_matches_reference, make_qkv
 
 import jax_core
 import torch_splash
 import torch_splash.bridge as bridge
-from helpers import assert_matches_reference, make_qkv
 from torch_splash import _transport
 from torch_splash.masks import CausalMask
 
@@ -82,9 +82,19 @@ def test_second_call_traces_nothing():
 
 
 def test_backward_runs_only_the_backward_kernels():
-    plan = jax_core.plan(batch=1, num_q_heads=2, num_kv_heads=2, q_len=200, kv_len=200, head_dim=64, head_dim_v=64,
-                         dtype="float32", mask=jax_core.CausalMask(0), scale=0.125,
-                         block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=False))
+    plan = jax_core.plan(
+        batch=1,
+        num_q_heads=2,
+        num_kv_heads=2,
+        q_len=200,
+        kv_len=200,
+        head_dim=64,
+        head_dim_v=64,
+        dtype="float32",
+        mask=jax_core.CausalMask(0),
+        scale=0.125,
+        block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=False),
+    )
     program = jax_core.program(plan)
     args = [jax.ShapeDtypeStruct((1, 2, 200, 64), "float32")] * 3
     out, lse = jax.eval_shape(program.forward, *args)

@@ -14,8 +14,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def dev(*args, timeout=900) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("TPU_SKIP_MDS_QUERY", "CPU_NUM_DEVICES")}
-    done = subprocess.run([str(ROOT / "dev.sh"), *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    done = subprocess.run(
+        [str(ROOT / "dev.sh"), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -24,14 +25,24 @@ def test_demo():
     assert "OK: torch_splash trains the model like SDPA does." in dev("demo")
 
 
-@pytest.mark.parametrize("command,result,key", [
-    ("bench", "bridge_quick.json", "large"),
-    ("bench-masks", "masks_quick.json", "tables"),
-    ("bench-hf", "hf_quick.json", "rows"),
-    ("bench-transports", "transports_quick.json", "graph"),
-    ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
-])
+@pytest.mark.parametrize(
+    "command,result,key",
+    [
+        ("bench", "bridge_quick.json", "large"),
+        ("bench-masks", "masks_quick.json", "tables"),
+        ("bench-hf", "hf_quick.json", "rows"),
+        ("bench-transports", "transports_quick.json", "graph"),
+        ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
+    ],
+)
 def test_benchmark_quick_mode(command, result, key):
     (RESULTS / result).unlink(missing_ok=True)
     dev(command, "--quick")
     assert json.loads((RESULTS / result).read_text())[key]
+    assert json.loads((RESULTS / result).read_text())["machine"]
+
+
+def test_benchmark_docs_match_the_results_files():
+    """docs/benchmarks.md is generated from benchmarks/results/*.json; a hand edit or a run whose
+    tables were not regenerated fails here."""
+    dev("bench-report", "--check")

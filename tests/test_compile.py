@@ -4,14 +4,17 @@ fake implementations and autograd, against eager."""
 import pytest
 import torch
 import torch.nn as nn
+from helpers import forward_backward, make_qkv
 
 import torch_splash
-from helpers import forward_backward, make_qkv
 from torch_splash import masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
 
-OPS = [torch.ops.torch_splash.forward.default, torch.ops.torch_splash.infer.default,
-       torch.ops.torch_splash.backward.default]
+OPS = [
+    torch.ops.torch_splash.forward.default,
+    torch.ops.torch_splash.infer.default,
+    torch.ops.torch_splash.backward.default,
+]
 
 
 class TwoLayers(nn.Module):
@@ -26,15 +29,15 @@ class TwoLayers(nn.Module):
         self.block_sizes = torch_splash.BlockSizes(block_q=128, block_kv=128)
 
     def forward(self, x, segment_ids):
-        b, l, _ = x.shape
+        b, length, _ = x.shape
         for i, qkv in enumerate(self.qkv):
             q, k, v = qkv(x).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, dim=-1)
-            q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (t.view(b, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
             if i == 0:
                 out = torch_splash.attention(q, k, v, "causal", segment_ids=segment_ids)
             else:
                 out = torch_splash.attention(q, k, v, self.window, block_sizes=self.block_sizes, soft_cap=20.0)
-            x = x + out.transpose(1, 2).reshape(b, l, -1)
+            x = x + out.transpose(1, 2).reshape(b, length, -1)
         return x
 
 
@@ -76,7 +79,9 @@ def test_graph_holds_the_custom_ops_only():
 
     q, k, v = make_qkv(1, 4, 2, 96, 96, 32, 32, torch.float32)
     torch._dynamo.reset()
-    out = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True, backend=backend)(q, k, v)
+    out = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True, backend=backend)(
+        q, k, v
+    )
     out.sum().backward()
     assert seen.count("torch_splash.forward.default") == 1 and seen.count("torch_splash.backward.default") == 1
     assert q.grad is not None and k.grad.shape == k.shape
@@ -107,8 +112,9 @@ def test_options_passed_as_none_trace():
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, None, **none), fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), torch_splash.attention(q, k, v), atol=1e-6, rtol=0)
-    fn = torch.compile(lambda q, k, v: torch_splash.scaled_dot_product_attention(q, k, v, is_causal=True),
-                       fullgraph=True)
+    fn = torch.compile(
+        lambda q, k, v: torch_splash.scaled_dot_product_attention(q, k, v, is_causal=True), fullgraph=True
+    )
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(fn(q, k, v), expected, atol=2e-5, rtol=0)
 
@@ -133,8 +139,9 @@ def test_a_structured_mask_built_inside_the_compiled_function(make):
     out = fn(q, k, v)
     out.sum().backward()
     eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    want, want_grads = forward_backward(lambda q, k, v: torch_splash.attention(q, k, v, make()), *eager,
-                                        torch.ones_like(out))
+    want, want_grads = forward_backward(
+        lambda q, k, v: torch_splash.attention(q, k, v, make()), *eager, torch.ones_like(out)
+    )
     for got, expected in zip((out, q.grad, k.grad, v.grad), (want, *want_grads)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -152,8 +159,9 @@ def test_a_mask_field_that_changes_between_calls():
 def test_a_mask_mod_built_inside_the_compiled_function_is_dynamos_limit():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 32, 32, torch.float32)
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, masks.from_mask_mod(lambda b, h, i, j: j <= i)),
-                       fullgraph=True)
+    fn = torch.compile(
+        lambda q, k, v: torch_splash.attention(q, k, v, masks.from_mask_mod(lambda b, h, i, j: j <= i)), fullgraph=True
+    )
     with pytest.raises(torch._dynamo.exc.Unsupported, match="Construct the object _outside_"):
         fn(q, k, v)
 
@@ -165,9 +173,24 @@ def test_opcheck(op):
 
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, 56, 32, 32, torch.float32))
     ids = (torch.ones(2, 40, dtype=torch.int32), (torch.arange(56) < 50).int().expand(2, 56).contiguous())
-    plan = bridge._call_index(bridge.jax_core.plan(
-        batch=2, num_q_heads=4, num_kv_heads=2, q_len=40, kv_len=56, head_dim=32, head_dim_v=32, dtype="float32",
-        mask=CausalMask(16), scale=0.2, soft_cap=None, has_segment_ids=True, block_sizes=None, platform="cpu"))
+    plan = bridge._call_index(
+        bridge.jax_core.plan(
+            batch=2,
+            num_q_heads=4,
+            num_kv_heads=2,
+            q_len=40,
+            kv_len=56,
+            head_dim=32,
+            head_dim_v=32,
+            dtype="float32",
+            mask=CausalMask(16),
+            scale=0.2,
+            soft_cap=None,
+            has_segment_ids=True,
+            block_sizes=None,
+            platform="cpu",
+        )
+    )
     if op is OPS[0]:
         args = (q, k, v, *ids, None, plan, "dlpack", "")
     elif op is OPS[1]:

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from helpers import assert_matches_reference, make_qkv
 
 import jax_core
 import torch_splash
-from helpers import assert_matches_reference, make_qkv
 from torch_splash import BlockSizes, SplashConstraintError, SplashDtypeError
 
 
@@ -39,22 +39,47 @@ def test_error_types_are_documented_subclasses():
 
 def test_seed_block_kv_not_multiple_of_lanes_names_128():
     # The seed's report claims NUM_LANES is 8; it is 128, and we say so.
-    raises(SplashConstraintError, r"block_sizes\.block_kv=8 is not a multiple of 128.*Use 128", *qkv(),
-           block_sizes=BlockSizes(block_kv=8))
-    raises(SplashConstraintError, r"block_sizes\.block_kv_dq=100 is not a multiple of 128.*Use 128", *qkv(),
-           block_sizes=BlockSizes(block_kv_dq=100))
-    raises(SplashConstraintError, r"block_kv_compute=200 .*Use 128 or 256", *qkv(),
-           block_sizes=BlockSizes(block_kv_compute=200))
+    raises(
+        SplashConstraintError,
+        r"block_sizes\.block_kv=8 is not a multiple of 128.*Use 128",
+        *qkv(),
+        block_sizes=BlockSizes(block_kv=8),
+    )
+    raises(
+        SplashConstraintError,
+        r"block_sizes\.block_kv_dq=100 is not a multiple of 128.*Use 128",
+        *qkv(),
+        block_sizes=BlockSizes(block_kv_dq=100),
+    )
+    raises(
+        SplashConstraintError,
+        r"block_kv_compute=200 .*Use 128 or 256",
+        *qkv(),
+        block_sizes=BlockSizes(block_kv_compute=200),
+    )
 
 
 def test_seed_kv_segment_ids_of_wrong_length_name_the_fix():
     q, k, v = qkv(q_len=16, kv_len=40)
     q_ids = torch.zeros(2, 16, dtype=torch.int32)
     padded_cache_ids = torch.zeros(2, 64, dtype=torch.int32)
-    raises(SplashConstraintError, r"segment_ids\[1\] \(kv ids\) has shape \(2, 64\) but must be \(2, 40\).*"
-           r"Lkv=40.*\[\.\.\., :40\]", q, k, v, segment_ids=(q_ids, padded_cache_ids))
-    raises(SplashConstraintError, r"segment_ids\[0\] \(q ids\) has shape \(2, 15\) but must be \(2, 16\)",
-           q, k, v, segment_ids=(q_ids[:, :15], padded_cache_ids[:, :40]))
+    raises(
+        SplashConstraintError,
+        r"segment_ids\[1\] \(kv ids\) has shape \(2, 64\) but must be \(2, 40\).*"
+        r"Lkv=40.*\[\.\.\., :40\]",
+        q,
+        k,
+        v,
+        segment_ids=(q_ids, padded_cache_ids),
+    )
+    raises(
+        SplashConstraintError,
+        r"segment_ids\[0\] \(q ids\) has shape \(2, 15\) but must be \(2, 16\)",
+        q,
+        k,
+        v,
+        segment_ids=(q_ids[:, :15], padded_cache_ids[:, :40]),
+    )
     raises(SplashConstraintError, r"single tensor but Lq=16 != Lkv=40", q, k, v, segment_ids=q_ids)
 
 
@@ -67,7 +92,13 @@ def test_head_divisibility():
 
 def test_k_v_leading_dims():
     q, k, v = qkv()
-    raises(SplashConstraintError, r"k \(2, 2, 16, 64\) and v \(2, 2, 17, 64\) must share", q, k, v[:, :, :15].repeat(1, 1, 2, 1)[:, :, :17])
+    raises(
+        SplashConstraintError,
+        r"k \(2, 2, 16, 64\) and v \(2, 2, 17, 64\) must share",
+        q,
+        k,
+        v[:, :, :15].repeat(1, 1, 2, 1)[:, :, :17],
+    )
     raises(SplashConstraintError, r"batch sizes 2, 2, 1", q, k, v[:1])
 
 
@@ -84,16 +115,25 @@ def test_rank():
 
 def test_dtypes():
     q, k, v = qkv()
-    raises(SplashDtypeError, r"dtypes torch.float32, torch.bfloat16, torch.float32: they must match", q, k.bfloat16(), v)
+    raises(
+        SplashDtypeError, r"dtypes torch.float32, torch.bfloat16, torch.float32: they must match", q, k.bfloat16(), v
+    )
     raises(SplashDtypeError, r"q has dtype torch.int64", q.long(), k.long(), v.long())
-    raises(SplashDtypeError, r"dtype torch.float64: the splash kernels compute in float32 at most", q.double(), k.double(),
-           v.double())
+    raises(
+        SplashDtypeError,
+        r"dtype torch.float64: the splash kernels compute in float32 at most",
+        q.double(),
+        k.double(),
+        v.double(),
+    )
     raises(SplashDtypeError, r"segment ids are integers", q, k, v, segment_ids=torch.zeros(2, 16))
 
 
 def test_empty_tensors():
     q, k, v = qkv()
-    raises(SplashConstraintError, r"k has shape \(2, 2, 0, 64\) with a zero-sized dimension", q, k[:, :, :0], v[:, :, :0])
+    raises(
+        SplashConstraintError, r"k has shape \(2, 2, 0, 64\) with a zero-sized dimension", q, k[:, :, :0], v[:, :, :0]
+    )
 
 
 def test_not_tensors():
@@ -111,28 +151,74 @@ def test_different_devices(xla_device):
 
 def test_block_size_rules():
     q, k, v = qkv()
-    raises(SplashConstraintError, r"block_q=12 is not a multiple of 8.*Use 8 or 16", q, k, v, block_sizes=BlockSizes(block_q=12))
-    raises(SplashConstraintError, r"block_q_dkv=64 is not a multiple of 128", q, k, v, block_sizes=BlockSizes(block_q_dkv=64))
-    raises(SplashConstraintError, r"block_kv=512 is not a multiple of block_sizes.block_kv_compute=384",
-           q, k, v, block_sizes=BlockSizes(block_kv=512, block_kv_compute=384))
-    raises(SplashConstraintError, r"fused backward computes dq inside the dkv kernel", q, k, v,
-           block_sizes=BlockSizes(use_fused_bwd_kernel=True, block_q_dq=128))
-    raises(SplashConstraintError, r"block_kv=0: block sizes are positive ints", q, k, v, block_sizes=BlockSizes(block_kv=0))
+    raises(
+        SplashConstraintError,
+        r"block_q=12 is not a multiple of 8.*Use 8 or 16",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(block_q=12),
+    )
+    raises(
+        SplashConstraintError,
+        r"block_q_dkv=64 is not a multiple of 128",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(block_q_dkv=64),
+    )
+    raises(
+        SplashConstraintError,
+        r"block_kv=512 is not a multiple of block_sizes.block_kv_compute=384",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(block_kv=512, block_kv_compute=384),
+    )
+    raises(
+        SplashConstraintError,
+        r"fused backward computes dq inside the dkv kernel",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(use_fused_bwd_kernel=True, block_q_dq=128),
+    )
+    raises(
+        SplashConstraintError, r"block_kv=0: block sizes are positive ints", q, k, v, block_sizes=BlockSizes(block_kv=0)
+    )
     raises(SplashConstraintError, r"pass torch_splash.BlockSizes", q, k, v, block_sizes={"block_kv": 128})
-    raises(SplashConstraintError, r"q_layout='SEQ_MINOR'.*multiple of 128", q, k, v,
-           block_sizes=BlockSizes(block_q=8, q_layout="SEQ_MINOR"))
+    raises(
+        SplashConstraintError,
+        r"q_layout='SEQ_MINOR'.*multiple of 128",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(block_q=8, q_layout="SEQ_MINOR"),
+    )
 
 
 def test_mask_scale_soft_cap():
     q, k, v = qkv()
     raises(SplashConstraintError, r"mask='upper'.*'causal'", q, k, v, mask="upper")
     raises(SplashConstraintError, r"mask of type float", q, k, v, mask=1.0)
-    raises(SplashConstraintError, r"mask has shape \(16, 17\) but the call has \(Lq, Lkv\) = \(16, 16\)", q, k, v,
-           mask=torch.ones(16, 17, dtype=torch.bool))
+    raises(
+        SplashConstraintError,
+        r"mask has shape \(16, 17\) but the call has \(Lq, Lkv\) = \(16, 16\)",
+        q,
+        k,
+        v,
+        mask=torch.ones(16, 17, dtype=torch.bool),
+    )
     raises(SplashConstraintError, r"per-head mask has 3 heads but q has 4", q, k, v, mask=["causal"] * 3)
     raises(SplashConstraintError, r"mask has dtype torch.float32: pass a bool mask", q, k, v, mask=torch.zeros(16, 16))
-    raises(SplashConstraintError, r"depends on the batch index b", q, k, v,
-           mask=torch_splash.masks.from_mask_mod(lambda b, h, qi, ki: (qi >= ki) | (b > 0)))
+    raises(
+        SplashConstraintError,
+        r"depends on the batch index b",
+        q,
+        k,
+        v,
+        mask=torch_splash.masks.from_mask_mod(lambda b, h, qi, ki: (qi >= ki) | (b > 0)),
+    )
     with pytest.raises(SplashConstraintError, match=r"window_left=-1 must be >= 0"):
         torch_splash.masks.LocalMask(-1)
     with pytest.raises(SplashConstraintError, match=r"chunk_size=0 must be >= 1"):
@@ -150,10 +236,23 @@ def test_mask_scale_soft_cap():
 def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
     monkeypatch.undo()  # this one runs the kernels
     q, k, v = make_qkv(1, 2, 2, 100, 512, 64, 64, torch.float32)
-    blocks = BlockSizes(block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048)
+    blocks = BlockSizes(
+        block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048
+    )
     assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
-    plan = jax_core.plan(batch=1, num_q_heads=2, num_kv_heads=2, q_len=100, kv_len=512, head_dim=64, head_dim_v=64,
-                         dtype="float32", mask=jax_core.FullMask(), scale=1.0, block_sizes=blocks)
+    plan = jax_core.plan(
+        batch=1,
+        num_q_heads=2,
+        num_kv_heads=2,
+        q_len=100,
+        kv_len=512,
+        head_dim=64,
+        head_dim_v=64,
+        dtype="float32",
+        mask=jax_core.FullMask(),
+        scale=1.0,
+        block_sizes=blocks,
+    )
     assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
     assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128
 

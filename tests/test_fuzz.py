@@ -6,9 +6,9 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
+from conftest import reference
 
 import torch_splash
-from conftest import reference
 from torch_splash import masks
 
 HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]
@@ -17,9 +17,12 @@ HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]
 @st.composite
 def mask_strategy(draw, heads):
     families = [
-        st.just(None), st.just("causal"),
+        st.just(None),
+        st.just("causal"),
         st.builds(masks.CausalMask, st.integers(-150, 150)),
-        st.builds(masks.LocalMask, st.none() | st.integers(0, 80), st.none() | st.integers(0, 40), st.integers(-50, 50)),
+        st.builds(
+            masks.LocalMask, st.none() | st.integers(0, 80), st.none() | st.integers(0, 40), st.integers(-50, 50)
+        ),
         st.builds(masks.ChunkedCausalMask, st.integers(1, 200)),
         st.builds(masks.PrefixMask, st.integers(0, 100)),
         st.just(masks.from_mask_mod(lambda b, h, q, kv: (q - kv) % 7 != 3)),
@@ -27,7 +30,8 @@ def mask_strategy(draw, heads):
     one = st.one_of(*families[2:])
     composed = st.tuples(one, one, st.booleans()).map(lambda t: t[0] & t[1] if t[2] else t[0] | t[1])
     per_head = st.lists(st.one_of(*families[2:-1]), min_size=heads, max_size=heads).map(
-        lambda ms: masks.MultiHeadMask(tuple(ms)))
+        lambda ms: masks.MultiHeadMask(tuple(ms))
+    )
     return draw(st.one_of(*families, composed, per_head))
 
 
@@ -39,15 +43,18 @@ def calls(draw):
     options = dict(mask=draw(mask_strategy(hq)))
     if draw(st.booleans()):  # a few documents; ids drawn per position, so some rows see no key
         n = draw(st.integers(1, 3))
-        options["segment_ids"] = (torch.randint(0, n, (batch, q_len), generator=torch.Generator().manual_seed(q_len)),
-                                  torch.randint(0, n, (batch, kv_len), generator=torch.Generator().manual_seed(kv_len)))
+        options["segment_ids"] = (
+            torch.randint(0, n, (batch, q_len), generator=torch.Generator().manual_seed(q_len)),
+            torch.randint(0, n, (batch, kv_len), generator=torch.Generator().manual_seed(kv_len)),
+        )
     if draw(st.booleans()):
         options["soft_cap"] = draw(st.floats(1.0, 50.0))
     if draw(st.booleans()):
         options["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(hq)).requires_grad_()
     if draw(st.booleans()):
-        options["block_sizes"] = torch_splash.BlockSizes(block_q=draw(st.sampled_from([128, 256])),
-                                                         block_kv=draw(st.sampled_from([128, 256])))
+        options["block_sizes"] = torch_splash.BlockSizes(
+            block_q=draw(st.sampled_from([128, 256])), block_kv=draw(st.sampled_from([128, 256]))
+        )
     if draw(st.booleans()):
         options["scale"] = draw(st.floats(0.05, 0.5))
     transposed = draw(st.booleans())  # HF-style (B, L, H, D) storage seen through a transpose
@@ -77,11 +84,12 @@ def _check(shape, options):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     for name, mine, theirs in zip(["dq", "dk", "dv", "d_sinks"], grads, ref_grads):
         assert torch.isfinite(mine).all(), name
-        torch.testing.assert_close(mine.double(), theirs, atol=2e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(mine.double(), theirs, atol=2e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
 @hypothesis.given(calls())
 def test_attention_matches_float64(call):
     _check(*call)

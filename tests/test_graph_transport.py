@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import make_qkv, xla_metric_count
 
 import torch_splash
-from helpers import make_qkv, xla_metric_count
 from torch_splash import SplashConstraintError
 
 
@@ -70,12 +70,13 @@ class TinyModel(nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
-        b, l, _ = x.shape
+        b, length, _ = x.shape
         for qkv, proj in zip(self.qkv, self.proj):
-            q, k, v = qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                    self.kv_heads * self.head_dim], -1)
-            q, k, v = (t.view(b, l, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            x = x + proj(self.attn(q, k, v).transpose(1, 2).reshape(b, l, -1))
+            q, k, v = qkv(x).split(
+                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1
+            )
+            q, k, v = (t.view(b, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            x = x + proj(self.attn(q, k, v).transpose(1, 2).reshape(b, length, -1))
         return self.head(x)
 
 
@@ -117,8 +118,9 @@ def test_training_in_graph_is_one_graph_per_step_and_matches_sdpa(xla_device, mo
     assert executions == [1] * len(executions), executions  # forward, backward, update: one XLA graph
     assert compiles[2:] == [0] * (len(compiles) - 2), compiles  # nothing recompiles once warm
 
-    dl_losses, dl_executions, _ = _train(lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack"),
-                                         xla_device)
+    dl_losses, dl_executions, _ = _train(
+        lambda q, k, v: torch_splash.attention(q, k, v, "causal", transport="dlpack"), xla_device
+    )
     torch.testing.assert_close(torch.tensor(dl_losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-4)
     assert dl_executions[-1] > executions[-1]  # DLPack syncs the lazy graph at every attention call
 

@@ -14,27 +14,56 @@ import torch_splash.hf as hf  # noqa: E402
 # f32 models: logits and gradients go through 2 layers of attention, MLP and norms; the attention
 # itself matches to ~1e-6, measured model differences are ~1e-6 (logits) and ~1e-6 (grads).
 ATOL = 1e-4
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    attention_dropout=0.0,
+)
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=5),
-    "qwen2": lambda: transformers.Qwen2Config(**{**SMALL, "num_key_value_heads": 1}, use_sliding_window=True,
-                                              sliding_window=5, max_window_layers=1),
-    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
-                                                final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **{**SMALL, "num_key_value_heads": 1}, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL,
+        head_dim=16,
+        sliding_window=5,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    ),
     # attention sinks (s_aux), alternating sliding layers, a mixture of experts
-    "gpt_oss": lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 64}, head_dim=16, sliding_window=5,
-                                                 num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**SMALL, "intermediate_size": 64}, head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2
+    ),
     # chunked attention (chunks of 3: not a multiple of the left padding of 4) on the first layer, full
     # on the second; a mixture of experts
-    "llama4": lambda: transformers.Llama4TextConfig(**SMALL, head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
-                                                    num_experts_per_tok=1, attention_chunk_size=3,
-                                                    no_rope_layer_interval=2),
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **SMALL,
+        head_dim=16,
+        intermediate_size_mlp=96,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        attention_chunk_size=3,
+        no_rope_layer_interval=2,
+    ),
 }
 # transformers runs Gemma 2 (soft cap) and gpt-oss (sinks) with "eager"
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "llama4": "sdpa"}
+BASELINE = {
+    "llama": "sdpa",
+    "mistral": "sdpa",
+    "qwen2": "sdpa",
+    "gemma2": "eager",
+    "gpt_oss": "eager",
+    "llama4": "sdpa",
+}
 L = 12
 
 
@@ -119,8 +148,15 @@ def test_right_padded_greedy_generation_matches_eager(family):
     tokens, scores = {}, {}
     for impl in ("eager", "splash"):
         model.set_attn_implementation(impl)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         tokens[impl], scores[impl] = out.sequences, torch.stack(out.scores)
     assert torch.equal(tokens["splash"], tokens["eager"])
     torch.testing.assert_close(scores["splash"], scores["eager"], atol=ATOL, rtol=0)
@@ -137,6 +173,7 @@ def test_patch_switches_a_loaded_model():
 
 
 # The mask function: structured masks, segment ids, nothing (Lq, Lkv)-sized.
+
 
 def test_mask_function_causal_prefill_and_chunked_prefill_offsets():
     assert hf.splash_mask(2, 7, 7) == hf.SplashMask(torch_splash.masks.CausalMask(0))
@@ -199,8 +236,10 @@ def test_mask_function_padding_matches_hf_on_valid_rows(window):
 def test_mask_function_packed_sequences_are_segment_ids():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
     packed = mu.find_packed_sequence_indices(positions)
-    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
-                      mu.packed_sequence_mask_function(packed))
+    fn = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+        mu.packed_sequence_mask_function(packed),
+    )
     got = hf.splash_mask(1, 6, 6, mask_function=fn)
     assert got.mask == torch_splash.masks.CausalMask(0)
     expected = mu.sdpa_mask(1, 6, 6, mask_function=fn, allow_is_causal_skip=False)[:, 0]
@@ -219,17 +258,21 @@ def test_mask_function_chunks_are_segment_ids_shifted_by_left_padding():
     # decoding: the query at position 11 sees its own chunk (positions from 3 + 8 = 11 for the left-padded row)
     padding = torch.cat([padding, torch.ones(3, 1, dtype=torch.bool)], dim=1)
     got = hf.splash_mask(3, 1, 12, q_offset=11, mask_function=fn, attention_mask=padding)
-    expected = mu.sdpa_mask(3, 1, 12, q_offset=11, mask_function=fn, attention_mask=padding,
-                            allow_is_causal_skip=False)[:, 0]
+    expected = mu.sdpa_mask(
+        3, 1, 12, q_offset=11, mask_function=fn, attention_mask=padding, allow_is_causal_skip=False
+    )[:, 0]
     assert torch.equal(_dense(got, 1, 12), expected)
 
 
 def test_mask_function_chunks_within_packed_sequences():
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0]])
     packed = mu.find_packed_sequence_indices(positions)
-    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int)),
-                                                             positions),
-                      mu.packed_sequence_mask_function(packed))
+    fn = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(
+            mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int)), positions
+        ),
+        mu.packed_sequence_mask_function(packed),
+    )
     got = hf.splash_mask(1, 10, 10, mask_function=fn)
     expected = mu.sdpa_mask(1, 10, 10, mask_function=fn, allow_is_causal_skip=False)[:, 0]
     assert torch.equal(_dense(got, 10, 10), expected)
@@ -258,7 +301,8 @@ def test_attention_function_serves_a_dense_4d_mask():
 
 def test_training_with_attention_dropout_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**{**SMALL, "attention_dropout": 0.1}), attn_implementation="splash").train()
+        transformers.LlamaConfig(**{**SMALL, "attention_dropout": 0.1}), attn_implementation="splash"
+    ).train()
     with pytest.raises(torch_splash.SplashConstraintError, match="attention_dropout"):
         model(torch.randint(0, 128, (1, 5)))
     model.eval()(torch.randint(0, 128, (1, 5)))  # dropout is 0 at eval: fine
@@ -273,8 +317,9 @@ def test_finetune_example_runs(tmp_path):
 
     script = pathlib.Path(__file__).parents[1] / "examples" / "hf_finetune.py"
     plot = tmp_path / "curves.png"
-    done = subprocess.run([sys.executable, str(script), "--steps", "3", "--plot", str(plot)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--plot", str(plot)], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     diff = float(re.search(r"largest loss difference over 3 steps: (\S+)", done.stdout).group(1))
     assert diff < 1e-4 and plot.stat().st_size > 0
@@ -303,17 +348,18 @@ def test_compiled_model_matches_eager(family, fullgraph):
 
 # On torch_xla's device, the TPU path: the model's step is one lazy graph with splash inside it.
 
+
 def _xla_training_steps(impl, device, steps):
     """A tiny Llama trained with SGD on torch_xla's device; per step: (loss, gradients, XLA
     executions, compilations). Right padding, with the padded positions out of the loss."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-
     from helpers import xla_metric_count as count
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL),
-                                                          attn_implementation=impl).to(device)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SMALL), attn_implementation=impl
+    ).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids, mask, _, valid = batch("right")
     labels = ids.masked_fill(~valid, -100)
@@ -330,8 +376,14 @@ def _xla_training_steps(impl, device, steps):
         optimizer.zero_grad()
         torch_xla.sync()
         xm.wait_device_ops()
-        results.append((loss.cpu(), {n: g.cpu() for n, g in grads.items()},
-                        count("ExecuteTime") - executed, count("CompileTime") - compiled))
+        results.append(
+            (
+                loss.cpu(),
+                {n: g.cpu() for n, g in grads.items()},
+                count("ExecuteTime") - executed,
+                count("CompileTime") - compiled,
+            )
+        )
     return results
 
 
@@ -358,8 +410,9 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, monkeypa
 
     monkeypatch.setattr(_transport, "platform_of", lambda device: "tpu")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL),
-                                                          attn_implementation="splash").to(xla_device)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SMALL), attn_implementation="splash"
+    ).to(xla_device)
     ids, mask, _, _ = batch("right")
     loss = model(input_ids=ids.to(xla_device), attention_mask=mask.to(xla_device), labels=ids.to(xla_device)).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))

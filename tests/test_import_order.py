@@ -68,10 +68,13 @@ def test_jax_already_on_the_tpu_warns():
 
 
 def test_callers_jax_platforms_is_respected():
-    got = _run("""
+    got = _run(
+        """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import torch_splash
-    """, JAX_PLATFORMS="tpu,cpu")
+    """,
+        JAX_PLATFORMS="tpu,cpu",
+    )
     # JAX will open the TPU as asked, so torch_xla's guard has run first.
     assert got == {"guard_saw_jax": [False], "platforms": "tpu,cpu", "devices": None, "warnings": []}

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import assert_matches_reference, make_qkv
 
 import torch_splash
-from helpers import assert_matches_reference, make_qkv
 from torch_splash.masks import (
     CausalMask,
     ChunkedCausalMask,
@@ -84,14 +84,22 @@ def test_mask_mod_flex_attention_convention():
     out = torch_splash.attention(q, k, v, mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-    assert_matches_reference(q, k, v, from_tensor(head_dependent(0, torch.arange(4)[:, None, None],
-                                                                   torch.arange(200)[None, :, None],
-                                                                   torch.arange(200)[None, None, :])))
+    assert_matches_reference(
+        q,
+        k,
+        v,
+        from_tensor(
+            head_dependent(
+                0, torch.arange(4)[:, None, None], torch.arange(200)[None, :, None], torch.arange(200)[None, None, :]
+            )
+        ),
+    )
     out = torch_splash.attention(q, k, v, from_mask_mod(head_dependent))
     h = torch.arange(4)[:, None, None]
     dense = head_dependent(0, h, torch.arange(200)[None, :, None], torch.arange(200)[None, None, :])
-    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_padding_never_leaks_for_odd_lengths():
@@ -101,8 +109,11 @@ def test_padding_never_leaks_for_odd_lengths():
         assert_matches_reference(q, k, v, mask)
 
 
-@pytest.mark.parametrize("mask", [CausalMask(-1000), LocalMask(0, 0, offset=5000), torch.zeros(40, 60, dtype=torch.bool)],
-                         ids=["causal", "local", "tensor"])
+@pytest.mark.parametrize(
+    "mask",
+    [CausalMask(-1000), LocalMask(0, 0, offset=5000), torch.zeros(40, 60, dtype=torch.bool)],
+    ids=["causal", "local", "tensor"],
+)
 def test_mask_with_no_allowed_pair_gives_zeros(mask):
     q, k, v = make_qkv(1, 2, 2, 40, 60, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v, mask)
@@ -123,12 +134,13 @@ KINDS = {
     "causal": (CausalMask(3), (_q + 3 >= _kv).expand(H, LQ, LKV)),
     "local": (LocalMask(9, 2), ((_kv >= _q - 9) & (_kv <= _q + 2)).expand(H, LQ, LKV)),
     "prefix": (torch_splash.masks.PrefixMask(10), (_kv < 10).expand(H, LQ, LKV)),
-    "per-head": (MultiHeadMask((CausalMask(0), LocalMask(4))),
-                 torch.cat([_q >= _kv, (_kv >= _q - 4) & (_kv <= _q)])),
+    "per-head": (MultiHeadMask((CausalMask(0), LocalMask(4))), torch.cat([_q >= _kv, (_kv >= _q - 4) & (_kv <= _q)])),
     "tensor-2d": (from_tensor(_DENSE_2D), _DENSE_2D.expand(H, LQ, LKV)),
     "tensor-per-head": (from_tensor(_DENSE_3D), _DENSE_3D),
-    "mask-mod": (from_mask_mod(lambda b, h, q, kv: (kv % 3 == 0) | (h == 1)),
-                 ((_kv % 3 == 0) | (torch.arange(H).view(H, 1, 1) == 1)).expand(H, LQ, LKV)),
+    "mask-mod": (
+        from_mask_mod(lambda b, h, q, kv: (kv % 3 == 0) | (h == 1)),
+        ((_kv % 3 == 0) | (torch.arange(H).view(H, 1, 1) == 1)).expand(H, LQ, LKV),
+    ),
 }
 _NAMES = list(KINDS)
 PAIRS = [(a, b, "&" if (i + j) % 2 else "|") for i, a in enumerate(_NAMES) for j, b in enumerate(_NAMES) if i <= j]

@@ -37,8 +37,9 @@ print(json.dumps(samples))
 
 def test_memory_stops_growing_over_new_shapes():
     env = {**os.environ, "TORCH_SPLASH_PROGRAM_CACHE_SIZE": str(CACHE_SIZE)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True, text=True,
-                          timeout=900, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True, text=True, timeout=900, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     samples = json.loads(done.stdout.strip().splitlines()[-1])
     # From the second turnover on (shapes 32 to 96, then 96 to 160): the later half must not hold

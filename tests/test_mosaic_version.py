@@ -19,9 +19,18 @@ def fresh_decision(monkeypatch):
     mosaic.ir_version.cache_clear()
 
 
-@pytest.mark.parametrize("release,reads", [
-    ("0.0.17", 4), ("0.0.18", 4), ("0.0.19", 7), ("0.0.21", 7), ("0.0.21.1", 7), ("0.0.22", 8), ("0.0.52", 8),
-])
+@pytest.mark.parametrize(
+    "release,reads",
+    [
+        ("0.0.17", 4),
+        ("0.0.18", 4),
+        ("0.0.19", 7),
+        ("0.0.21", 7),
+        ("0.0.21.1", 7),
+        ("0.0.22", 8),
+        ("0.0.52", 8),
+    ],
+)
 def test_release_table(release, reads):
     # a release between two measured ones reads what the older one does (0.0.18: 4)
     assert mosaic.newest_readable(release) == reads
@@ -70,5 +79,7 @@ def test_override(monkeypatch):
     assert mosaic.ir_version() == 5
     mosaic.ir_version.cache_clear()
     monkeypatch.setenv(mosaic.OVERRIDE, "9")
-    with pytest.raises(SplashConstraintError, match="TORCH_SPLASH_MOSAIC_IR_VERSION='9': expected an integer from 1 to 8"):
+    with pytest.raises(
+        SplashConstraintError, match="TORCH_SPLASH_MOSAIC_IR_VERSION='9': expected an integer from 1 to 8"
+    ):
         mosaic.ir_version()

@@ -15,18 +15,30 @@ maybe_q_block = st.none() | st.sampled_from([8, 16, 64, 128, 256, 512, 1024])
 @st.composite
 def user_blocks(draw):
     fused = draw(st.none() | st.booleans())
-    dq = {} if fused else dict(block_q_dq=draw(st.none() | st.sampled_from([128, 256, 512])),
-                               block_kv_dq=draw(maybe_kv_block))
+    dq = (
+        {}
+        if fused
+        else dict(block_q_dq=draw(st.none() | st.sampled_from([128, 256, 512])), block_kv_dq=draw(maybe_kv_block))
+    )
     return jax_core.BlockSizes(
-        block_q=draw(maybe_q_block), block_kv=draw(maybe_kv_block), block_q_dkv=draw(st.none() | st.sampled_from([128, 512])),
-        block_kv_dkv=draw(maybe_kv_block), block_kv_compute=draw(st.none() | st.just(128)),
-        use_fused_bwd_kernel=fused, **dq,
+        block_q=draw(maybe_q_block),
+        block_kv=draw(maybe_kv_block),
+        block_q_dkv=draw(st.none() | st.sampled_from([128, 512])),
+        block_kv_dkv=draw(maybe_kv_block),
+        block_kv_compute=draw(st.none() | st.just(128)),
+        use_fused_bwd_kernel=fused,
+        **dq,
     )
 
 
 @settings(max_examples=400, deadline=None)
-@given(q_len=lengths, kv_len=lengths, user=user_blocks(), platform=st.sampled_from(["cpu", "tpu"]),
-       head_dim=st.sampled_from([64, 128, 256, 512]))
+@given(
+    q_len=lengths,
+    kv_len=lengths,
+    user=user_blocks(),
+    platform=st.sampled_from(["cpu", "tpu"]),
+    head_dim=st.sampled_from([64, 128, 256, 512]),
+)
 def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform, head_dim):
     try:
         q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
@@ -36,7 +48,11 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
         return
     b = dict(blocks)
     if platform == "tpu":
-        for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
+        for q_name, kv_name in (
+            ("block_q", "block_kv"),
+            ("block_q_dkv", "block_kv_dkv"),
+            ("block_q_dq", "block_kv_dq"),
+        ):
             if q_name in b:
                 assert b[q_name] * b[kv_name] * max(head_dim, LANES) <= VMEM_BUDGET
                 assert (q_pad // b[q_name]) * (kv_pad // b[kv_name]) <= SMEM_TABLE_ENTRIES
@@ -54,7 +70,7 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
     for field in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):  # honoured unless clamped
         given_value = getattr(user, field)
         if given_value is not None:
-            assert b[field] == min(given_value, -(-((q_len if "q" in field.split("_")[1] else kv_len)) // LANES) * LANES)
+            assert b[field] == min(given_value, -(-(q_len if "q" in field.split("_")[1] else kv_len) // LANES) * LANES)
     if user == jax_core.BlockSizes():  # planned blocks waste at most 1/8 of the 128-aligned length
         for length, padded in ((q_len, q_pad), (kv_len, kv_pad)):
             aligned = -(-length // LANES) * LANES
@@ -73,8 +89,10 @@ def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
     with pytest.raises(jax_core.SplashConstraintError, match=r"block_sizes.block_q_dq=2048.*dq kernel's q block"):
         plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dq=2048, block_kv_dq=512), "tpu", 128)
     # explicit: refused before any JAX work, naming the caller's fields (the TPU compiler's limit)
-    with pytest.raises(jax_core.SplashConstraintError,
-                       match=r"block_sizes.block_q=2048, block_sizes.block_kv=2048: the forward kernel's blocks"):
+    with pytest.raises(
+        jax_core.SplashConstraintError,
+        match=r"block_sizes.block_q=2048, block_sizes.block_kv=2048: the forward kernel's blocks",
+    ):
         plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=2048), "tpu", 128)
     with pytest.raises(jax_core.SplashConstraintError, match=r"block_q_dkv=1024, block_sizes.block_kv_dkv=1024"):
         plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dkv=1024, block_kv_dkv=1024), "tpu", 512)
@@ -89,8 +107,10 @@ def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
 
 def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
     def entries(q_len, blocks, table_heads=1):
-        return [table_heads * -(-q_len // blocks[q]) * -(-q_len // blocks[kv]) for q, kv in
-                (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv"))]
+        return [
+            table_heads * -(-q_len // blocks[q]) * -(-q_len // blocks[kv])
+            for q, kv in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv"))
+        ]
 
     assert dict(plan_blocks(262144, 262144, jax_core.BlockSizes(), "tpu", 128)[2])["block_q"] == 512
     for length, heads in ((393216, 1), (524288, 1), (131072, 16)):

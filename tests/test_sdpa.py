@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import make_qkv
 
 import jax_core
 import torch_splash
-from helpers import make_qkv
 from torch_splash import SplashConstraintError
 
 SDPA = F.scaled_dot_product_attention
@@ -111,11 +111,13 @@ def test_what_splash_cannot_serve_is_a_clear_error():
     with pytest.raises(SplashConstraintError, match="additive bias"):
         torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.randn(16, 16), enable_gqa=True)
     with pytest.raises(SplashConstraintError, match="together"):
-        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool),
-                                                  is_causal=True, enable_gqa=True)
+        torch_splash.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True, enable_gqa=True
+        )
     with pytest.raises(SplashConstraintError, match="does not broadcast"):
-        torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool),
-                                                  enable_gqa=True)
+        torch_splash.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool), enable_gqa=True
+        )
 
 
 class TinyAttentionModel(nn.Module):
@@ -128,10 +130,10 @@ class TinyAttentionModel(nn.Module):
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x):
-        b, l, d = x.shape
-        q, k, v = (t.view(b, l, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        b, length, d = x.shape
+        q, k, v = (t.view(b, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(b, l, d))
+        return self.out(y.transpose(1, 2).reshape(b, length, d))
 
 
 def test_route_sdpa_runs_an_unedited_model_through_splash(monkeypatch):

@@ -6,13 +6,12 @@ import jax.export
 import jax.numpy as jnp
 import pytest
 import torch
+from conftest import reference
+from helpers import TOL, make_qkv
 
 import jax_core
 import torch_splash
-from conftest import reference
-from helpers import TOL, make_qkv
 from torch_splash.masks import CausalMask, LocalMask
-
 
 CASES = [
     # (hq, hkv, q_len, kv_len, mask, segment ids)
@@ -43,14 +42,17 @@ def test_sinks_match_the_reference(case, dtype):
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got[1:], expected[1:]):
         # d_sinks sums over every row of the batch: scale the tolerance by the number of rows it adds up
         scale = 2 * q_len if name == "dsinks" else 1
-        torch.testing.assert_close(g.float(), e.float(), atol=atol_grad * scale ** 0.5, rtol=rtol_grad, msg=name)
+        torch.testing.assert_close(g.float(), e.float(), atol=atol_grad * scale**0.5, rtol=rtol_grad, msg=name)
 
 
-@pytest.mark.parametrize("sinks,error,match", [
-    (torch.zeros(3), torch_splash.SplashConstraintError, r"must be \(4,\): one logit per query head"),
-    (torch.zeros(4, dtype=torch.int32), torch_splash.SplashDtypeError, "sinks are logits"),
-    ([0.0] * 4, TypeError, "sinks must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "sinks,error,match",
+    [
+        (torch.zeros(3), torch_splash.SplashConstraintError, r"must be \(4,\): one logit per query head"),
+        (torch.zeros(4, dtype=torch.int32), torch_splash.SplashDtypeError, "sinks are logits"),
+        ([0.0] * 4, TypeError, "sinks must be a torch.Tensor"),
+    ],
+)
 def test_bad_sinks_are_clear_errors(sinks, error, match):
     q, k, v = make_qkv(1, 4, 2, 16, 16, 32, 32, torch.float32)
     with pytest.raises(error, match=match):
@@ -58,9 +60,20 @@ def test_bad_sinks_are_clear_errors(sinks, error, match):
 
 
 def test_sinks_lower_for_tpu():
-    plan = jax_core.plan(batch=2, num_q_heads=8, num_kv_heads=2, q_len=1024, kv_len=1024, head_dim=128,
-                         head_dim_v=128, dtype="bfloat16", mask=CausalMask(0), scale=0.1, platform="tpu",
-                         has_sinks=True)
+    plan = jax_core.plan(
+        batch=2,
+        num_q_heads=8,
+        num_kv_heads=2,
+        q_len=1024,
+        kv_len=1024,
+        head_dim=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        mask=CausalMask(0),
+        scale=0.1,
+        platform="tpu",
+        has_sinks=True,
+    )
     program = jax_core.program(plan)
     args = [jax.ShapeDtypeStruct((2, h, 1024, 128), jnp.bfloat16) for h in (8, 2, 2)]
     args.append(jax.ShapeDtypeStruct((8,), jnp.float32))
@@ -76,7 +89,8 @@ def test_sinks_trace_under_torch_compile():
     sinks = torch.zeros(4, requires_grad=True)
     torch._dynamo.reset()
     out = torch.compile(lambda q, k, v, s: torch_splash.attention(q, k, v, "causal", sinks=s), fullgraph=True)(
-        q, k, v, sinks)
+        q, k, v, sinks
+    )
     out.sum().backward()
     expected = reference(q, k, v, "causal", sinks=sinks)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)

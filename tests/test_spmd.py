@@ -67,11 +67,14 @@ def test_what_cannot_be_sharded_is_a_clear_error(worker_results, name):
     assert ERRORS[name] in (worker_results[name]["message"] or "no error raised")
 
 
-@pytest.mark.parametrize("spec,match", [
-    (("data", None, "seq", None), "shards the sequence or head_dim"),
-    (("data", None, None), "one entry per dimension"),
-    (("data", None, None, None), "torch_xla SPMD tensors; q is on cpu"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (("data", None, "seq", None), "shards the sequence or head_dim"),
+        (("data", None, None), "one entry per dimension"),
+        (("data", None, None, None), "torch_xla SPMD tensors; q is on cpu"),
+    ],
+)
 def test_sharding_errors_before_any_device_work(spec, match):
     q = torch.zeros(2, 4, 16, 32)
     with pytest.raises(torch_splash.SplashConstraintError, match=match):

@@ -52,8 +52,11 @@ def test_tables_identical_to_jax(spec, grid):
 
 def test_compositions_never_skip_a_block_jax_would_compute():
     """For & and |, `any` may over-estimate and `all` under-estimate, never the reverse."""
-    for spec in (masks.CausalMask(0) & masks.LocalMask(300), masks.LocalMask(50, 50) | masks.CausalMask(-500),
-                 masks.ChunkedCausalMask(300) | masks.LocalMask(0, 0)):
+    for spec in (
+        masks.CausalMask(0) & masks.LocalMask(300),
+        masks.LocalMask(50, 50) | masks.CausalMask(-500),
+        masks.ChunkedCausalMask(300) | masks.LocalMask(0, 0),
+    ):
         dense = spec.dense(1024, 1024).reshape(8, 128, 8, 128)
         table = tables.block_mask_table(spec, 1024, 1024, 1024, 128, 128)
         truly_any, truly_all = dense.any(axis=(1, 3)), dense.all(axis=(1, 3))
@@ -68,10 +71,23 @@ def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
     from jax_core import kernels
 
     def plan(*heads):
-        return jax_core.plan(batch=1, num_q_heads=len(heads), num_kv_heads=1, q_len=2**20, kv_len=2**20,
-                             head_dim=128, head_dim_v=128, dtype="bfloat16", mask=masks.MultiHeadMask(heads),
-                             scale=1.0, soft_cap=None, has_segment_ids=False, block_sizes=None, platform="cpu",
-                             has_sinks=False)
+        return jax_core.plan(
+            batch=1,
+            num_q_heads=len(heads),
+            num_kv_heads=1,
+            q_len=2**20,
+            kv_len=2**20,
+            head_dim=128,
+            head_dim_v=128,
+            dtype="bfloat16",
+            mask=masks.MultiHeadMask(heads),
+            scale=1.0,
+            soft_cap=None,
+            has_segment_ids=False,
+            block_sizes=None,
+            platform="cpu",
+            has_sinks=False,
+        )
 
-    assert kernels._has_allowed_pair(plan(masks.CausalMask(offset=-2**21), masks.LocalMask(4096, 0)))
-    assert not kernels._has_allowed_pair(plan(masks.CausalMask(offset=-2**21), masks.CausalMask(offset=-2**21)))
+    assert kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.LocalMask(4096, 0)))
+    assert not kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.CausalMask(offset=-(2**21))))

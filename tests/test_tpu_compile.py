@@ -37,57 +37,115 @@ DEFAULT = [
     _case("gqa-causal-d64-f32-1000-ids", 8, 2, 1000, 1000, 64, "float32", "CausalMask(0)", segment_ids=True),
     _case("mqa-local-d256-bf16-129", 4, 1, 129, 129, 256, "bfloat16", "LocalMask(63, 0)"),
     _case("gqa-chunked-d128-bf16-4k", 4, 2, 4096, 4096, 128, "bfloat16", "ChunkedCausalMask(512)"),
-    _case("and-or-d128-f32-2000", 4, 2, 2000, 2000, 128, "float32",
-          "(CausalMask(0) & LocalMask(255)) | (LocalMask(64, 64) & CausalMask(-1000))", segment_ids=True),
-    _case("per-head-d64-bf16-1024", 4, 2, 1024, 1024, 64, "bfloat16",
-          "MultiHeadMask((CausalMask(0), LocalMask(128), FullMask(), CausalMask(5)))"),
+    _case(
+        "and-or-d128-f32-2000",
+        4,
+        2,
+        2000,
+        2000,
+        128,
+        "float32",
+        "(CausalMask(0) & LocalMask(255)) | (LocalMask(64, 64) & CausalMask(-1000))",
+        segment_ids=True,
+    ),
+    _case(
+        "per-head-d64-bf16-1024",
+        4,
+        2,
+        1024,
+        1024,
+        64,
+        "bfloat16",
+        "MultiHeadMask((CausalMask(0), LocalMask(128), FullMask(), CausalMask(5)))",
+    ),
     _case("dense-d64-f32-300", 2, 2, 300, 300, 64, "float32", "dense"),
     _case("decode-offset-d128-bf16-1x1000", 4, 1, 1, 1000, 128, "bfloat16", "CausalMask(999)"),
     _case("offset-7x300-ids", 2, 2, 7, 300, 128, "bfloat16", "CausalMask(293)", segment_ids=True),
-    _case("softcap-sinks-gqa-bf16-1024", 8, 2, 1024, 1024, 128, "bfloat16", "CausalMask(0)", soft_cap=30.0,
-          sinks=True),
+    _case("softcap-sinks-gqa-bf16-1024", 8, 2, 1024, 1024, 128, "bfloat16", "CausalMask(0)", soft_cap=30.0, sinks=True),
     _case("length-1", 2, 2, 1, 1, 64, "float32", "FullMask()"),
     _case("head-dims-80-96", 4, 2, 512, 640, 80, "bfloat16", "CausalMask(128)", dv=96),
     _case("long-32k-causal", 2, 1, 32768, 32768, 128, "bfloat16", "CausalMask(0)"),
     # past 256K tokens the 512-blocks' tables outgrow SMEM: the planner grows the blocks
     _case("long-384k-causal-smem", 2, 1, 393216, 393216, 128, "bfloat16", "CausalMask(0)"),
-    _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)",
-          blocks=dict(use_fused_bwd_kernel=True)),
-    _case("explicit-blocks-1024", 4, 2, 2048, 2048, 256, "float32", "CausalMask(0)",
-          blocks=dict(block_q=1024, block_kv=1024, block_kv_compute=1024, block_q_dkv=1024, block_kv_dkv=1024,
-                      block_kv_dkv_compute=1024, block_q_dq=1024, block_kv_dq=1024)),
+    _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)", blocks=dict(use_fused_bwd_kernel=True)),
+    _case(
+        "explicit-blocks-1024",
+        4,
+        2,
+        2048,
+        2048,
+        256,
+        "float32",
+        "CausalMask(0)",
+        blocks=dict(
+            block_q=1024,
+            block_kv=1024,
+            block_kv_compute=1024,
+            block_q_dkv=1024,
+            block_kv_dkv=1024,
+            block_kv_dkv_compute=1024,
+            block_q_dq=1024,
+            block_kv_dq=1024,
+        ),
+    ),
     # the VMEM rule's edge (jax_core/plan.py): block_q x block_kv x max(head_dim, 128) == 2**28
-    _case("explicit-blocks-2048x1024", 4, 2, 4096, 4096, 128, "bfloat16", "CausalMask(0)",
-          blocks=dict(block_q=2048, block_kv=1024, block_q_dq=1024, block_kv_dq=2048, block_q_dkv=1024,
-                      block_kv_dkv=2048)),
+    _case(
+        "explicit-blocks-2048x1024",
+        4,
+        2,
+        4096,
+        4096,
+        128,
+        "bfloat16",
+        "CausalMask(0)",
+        blocks=dict(
+            block_q=2048, block_kv=1024, block_q_dq=1024, block_kv_dq=2048, block_q_dkv=1024, block_kv_dkv=2048
+        ),
+    ),
     _case("head-dim-512-planned", 2, 1, 1024, 1024, 512, "float32", "CausalMask(0)"),
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1.
     _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
 ]
 
-MASKS = ["CausalMask(0)", "CausalMask(-100)", "LocalMask(255, 0)", "ChunkedCausalMask(256)",
-         "CausalMask(0) & LocalMask(511)", "LocalMask(64, 64) | CausalMask(-500)",
-         "MultiHeadMask((CausalMask(0), LocalMask(128), FullMask(), CausalMask(5)))", "dense"]
+MASKS = [
+    "CausalMask(0)",
+    "CausalMask(-100)",
+    "LocalMask(255, 0)",
+    "ChunkedCausalMask(256)",
+    "CausalMask(0) & LocalMask(511)",
+    "LocalMask(64, 64) | CausalMask(-500)",
+    "MultiHeadMask((CausalMask(0), LocalMask(128), FullMask(), CausalMask(5)))",
+    "dense",
+]
 FULL = [
     _case(f"{layout}-d{d}-{dtype}-{mask}", hq, hkv, length, length, d, dtype, mask, segment_ids=length == 1000)
     for (layout, hq, hkv), d, (dtype, length), mask in itertools.product(
-        [("mha", 4, 4), ("gqa", 4, 2), ("mqa", 4, 1)], [64, 128, 256], [("bfloat16", 1000), ("float32", 2048)], MASKS)
+        [("mha", 4, 4), ("gqa", 4, 2), ("mqa", 4, 1)], [64, 128, 256], [("bfloat16", 1000), ("float32", 2048)], MASKS
+    )
 ]
 
 
 def _environment() -> dict:
     if not (LIBTPU / "libtpu" / "libtpu.so").is_file():
-        pytest.fail(f"libtpu is not installed in {LIBTPU}: ./dev.sh test installs libtpu=={mosaic.PINNED_LIBTPU} there "
-                    "(or set TORCH_SPLASH_LIBTPU_DIR to a folder holding it).")
+        pytest.fail(
+            f"libtpu is not installed in {LIBTPU}: ./dev.sh test installs libtpu=={mosaic.PINNED_LIBTPU} there "
+            "(or set TORCH_SPLASH_LIBTPU_DIR to a folder holding it)."
+        )
     env = aot.environment(str(LIBTPU))
     env["PYTHONPATH"] = os.pathsep.join([str(LIBTPU), str(ROOT), str(ROOT / "tests")])
     return env
 
 
 def _worker(*args, stdin=None, timeout=1800) -> list[dict]:
-    done = subprocess.run([sys.executable, str(WORKER), *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env=_environment())
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_environment(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -112,8 +170,11 @@ def _expected_mosaic_calls(case, kind):
 
 
 def _assert_compiled(results, case, kind, generation):
-    result = (results.get((case["name"], kind, generation)) or results.get((case["name"], kind, None))
-              or results.get((case["name"], "plan", None)))
+    result = (
+        results.get((case["name"], kind, generation))
+        or results.get((case["name"], kind, None))
+        or results.get((case["name"], "plan", None))
+    )
     assert result is not None, f"no result for {case['name']} {kind} {generation}"
     assert "error" not in result, result["error"]
     assert result["mosaic_calls"] == _expected_mosaic_calls(case, kind)
@@ -173,8 +234,13 @@ def test_full_matrix_compiles_for_tpu(full_results, case, kind, generation):
 @pytest.fixture(scope="module")
 def compile_one():
     """A worker that compiles one case at a time for v5e, for hypothesis to drive."""
-    worker = subprocess.Popen([sys.executable, str(WORKER), "programs", "v5e"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=_environment())
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER), "programs", "v5e"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_environment(),
+    )
 
     def compile_case(case: dict) -> list[dict]:
         worker.stdin.write(json.dumps(case) + "\n")
@@ -194,15 +260,31 @@ def compile_one():
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=60, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
 @hypothesis.given(
-    heads=st.sampled_from([(4, 4), (8, 2), (4, 1)]), q_len=st.integers(1, 9000), kv_len=st.integers(1, 9000),
-    d=st.sampled_from([64, 80, 96, 128, 192, 256]), dtype=st.sampled_from(["bfloat16", "float32"]),
+    heads=st.sampled_from([(4, 4), (8, 2), (4, 1)]),
+    q_len=st.integers(1, 9000),
+    kv_len=st.integers(1, 9000),
+    d=st.sampled_from([64, 80, 96, 128, 192, 256]),
+    dtype=st.sampled_from(["bfloat16", "float32"]),
     mask=st.sampled_from(["FullMask()", "CausalMask(0)", "LocalMask(300, 0)", "ChunkedCausalMask(1000)"]),
-    segment_ids=st.booleans())
+    segment_ids=st.booleans(),
+)
 def test_the_planner_s_choices_always_compile(compile_one, heads, q_len, kv_len, d, dtype, mask, segment_ids):
-    case = _case(f"hyp-{heads}-{q_len}x{kv_len}-d{d}-{dtype}-{mask}-{segment_ids}", *heads, q_len, kv_len, d, dtype,
-                 mask, segment_ids=segment_ids)
+    case = _case(
+        f"hyp-{heads}-{q_len}x{kv_len}-d{d}-{dtype}-{mask}-{segment_ids}",
+        *heads,
+        q_len,
+        kv_len,
+        d,
+        dtype,
+        mask,
+        segment_ids=segment_ids,
+    )
     results = compile_one(case)
     assert len(results) == 3 and not [r for r in results if "error" in r], results

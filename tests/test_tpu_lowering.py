@@ -22,8 +22,19 @@ CONFIGS = [
 
 def _plan(batch, hq, hkv, q_len, kv_len, d, dv, dtype, mask, seg, **kw):
     return jax_core.plan(
-        batch=batch, num_q_heads=hq, num_kv_heads=hkv, q_len=q_len, kv_len=kv_len, head_dim=d,
-        head_dim_v=dv, dtype=dtype, mask=mask, scale=d**-0.5, has_segment_ids=seg, platform="tpu", **kw,
+        batch=batch,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=d,
+        head_dim_v=dv,
+        dtype=dtype,
+        mask=mask,
+        scale=d**-0.5,
+        has_segment_ids=seg,
+        platform="tpu",
+        **kw,
     )
 
 
@@ -53,8 +64,19 @@ def test_forward_and_backward_lower_for_tpu(config):
 
 
 def test_fused_backward_lowers_as_one_kernel():
-    plan = _plan(1, 4, 2, 256, 256, 128, 128, "float32", CausalMask(0), False,
-                 block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=True))
+    plan = _plan(
+        1,
+        4,
+        2,
+        256,
+        256,
+        128,
+        128,
+        "float32",
+        CausalMask(0),
+        False,
+        block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=True),
+    )
     program = jax_core.program(plan)
     args = [jax.ShapeDtypeStruct((1, h, 256, 128), jnp.float32) for h in (4, 2, 2)]
     out, lse = jax.eval_shape(program.forward, *args)
@@ -68,8 +90,7 @@ def test_lowering_for_tpu_enforces_block_shapes_that_interpret_mode_ignores():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((200, 256))])
-    bad = sk.BlockSizes(block_q=100, block_kv=128, block_q_dkv=100, block_kv_dkv=128,
-                        block_q_dq=100, block_kv_dq=128)
+    bad = sk.BlockSizes(block_q=100, block_kv=128, block_q_dkv=100, block_kv_dkv=128, block_q_dq=100, block_kv_dq=128)
     kernel = sk.make_splash_mha(mask, block_sizes=bad, head_shards=1, q_seq_shards=1)
     q = jax.ShapeDtypeStruct((1, 200, 128), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, 256, 128), jnp.float32)
@@ -82,7 +103,9 @@ FAMILIES = [
     jax_core.ChunkedCausalMask(512),
     jax_core.CausalMask(0) & jax_core.LocalMask(255),
     jax_core.LocalMask(64, 64) | jax_core.CausalMask(-2000),
-    jax_core.MultiHeadMask((jax_core.CausalMask(0), jax_core.LocalMask(128), jax_core.FullMask(), jax_core.CausalMask(5))),
+    jax_core.MultiHeadMask(
+        (jax_core.CausalMask(0), jax_core.LocalMask(128), jax_core.FullMask(), jax_core.CausalMask(5))
+    ),
 ]
 
 

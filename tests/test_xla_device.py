@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import assert_matches_reference, make_qkv
 
 import torch_splash
-from helpers import assert_matches_reference, make_qkv
 from torch_splash.masks import CausalMask
 
 CASES = [

@@ -32,8 +32,11 @@ def _error(exc: BaseException) -> str:
 def program_args(plan, kind: str) -> tuple:
     """(shape, dtype) of a program's arguments, in the order the bridge passes them."""
     b, hq, hkv, dt = plan.batch, plan.num_q_heads, plan.num_kv_heads, plan.dtype
-    args = [((b, hq, plan.q_len, plan.head_dim), dt), ((b, hkv, plan.kv_len, plan.head_dim), dt),
-            ((b, hkv, plan.kv_len, plan.head_dim_v), dt)]
+    args = [
+        ((b, hq, plan.q_len, plan.head_dim), dt),
+        ((b, hkv, plan.kv_len, plan.head_dim), dt),
+        ((b, hkv, plan.kv_len, plan.head_dim_v), dt),
+    ]
     if plan.has_segment_ids:
         args += [((b, plan.q_len), "int32"), ((b, plan.kv_len), "int32")]
     if plan.has_sinks:
@@ -58,11 +61,22 @@ def case_plan(case: dict):
         mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
     blocks = case.get("blocks")
     return jax_core.plan(
-        batch=case.get("batch", 1), num_q_heads=case["hq"], num_kv_heads=case["hkv"], q_len=case["q_len"],
-        kv_len=case["kv_len"], head_dim=case["d"], head_dim_v=case.get("dv", case["d"]), dtype=case["dtype"],
-        mask=mask, scale=case.get("scale", case["d"] ** -0.5), soft_cap=case.get("soft_cap"),
-        has_segment_ids=case.get("segment_ids", False), has_sinks=case.get("sinks", False),
-        block_sizes=None if blocks is None else jax_core.BlockSizes(**blocks), platform="tpu")
+        batch=case.get("batch", 1),
+        num_q_heads=case["hq"],
+        num_kv_heads=case["hkv"],
+        q_len=case["q_len"],
+        kv_len=case["kv_len"],
+        head_dim=case["d"],
+        head_dim_v=case.get("dv", case["d"]),
+        dtype=case["dtype"],
+        mask=mask,
+        scale=case.get("scale", case["d"] ** -0.5),
+        soft_cap=case.get("soft_cap"),
+        has_segment_ids=case.get("segment_ids", False),
+        has_sinks=case.get("sinks", False),
+        block_sizes=None if blocks is None else jax_core.BlockSizes(**blocks),
+        platform="tpu",
+    )
 
 
 def programs(generations: list[str], lines) -> None:
@@ -96,9 +110,17 @@ def compile_case(case: dict, generations: list[str]) -> None:
             start = time.perf_counter()
             try:
                 memory = aot.compile_hlo(proto, generation)
-                _emit(case=case["name"], kind=kind, generation=generation, bytes=memory.total, temp=memory.temp,
-                      lower_s=round(lowered, 2), compile_s=round(time.perf_counter() - start, 2),
-                      mosaic_calls=proto.count(b"tpu_custom_call"), blocks=dict(plan.blocks))
+                _emit(
+                    case=case["name"],
+                    kind=kind,
+                    generation=generation,
+                    bytes=memory.total,
+                    temp=memory.temp,
+                    lower_s=round(lowered, 2),
+                    compile_s=round(time.perf_counter() - start, 2),
+                    mosaic_calls=proto.count(b"tpu_custom_call"),
+                    blocks=dict(plan.blocks),
+                )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))
 
@@ -113,12 +135,14 @@ def _tiny_model_step(device, attention):
     torch.manual_seed(0)
     dim, heads, kv_heads, layers, vocab, length, batch = 256, 4, 2, 2, 128, 512, 4
     head_dim = dim // heads
-    model = nn.ModuleDict({
-        "embed": nn.Embedding(vocab, dim),
-        "qkv": nn.ModuleList(nn.Linear(dim, (heads + 2 * kv_heads) * head_dim) for _ in range(layers)),
-        "proj": nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers)),
-        "head": nn.Linear(dim, vocab),
-    }).to(device)
+    model = nn.ModuleDict(
+        {
+            "embed": nn.Embedding(vocab, dim),
+            "qkv": nn.ModuleList(nn.Linear(dim, (heads + 2 * kv_heads) * head_dim) for _ in range(layers)),
+            "proj": nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers)),
+            "head": nn.Linear(dim, vocab),
+        }
+    ).to(device)
     tokens = torch.randint(0, vocab, (batch, length + 1)).to(device)
     x = model["embed"](tokens[:, :-1])
     for qkv, proj in zip(model["qkv"], model["proj"]):
@@ -134,7 +158,6 @@ def _tiny_model_step(device, attention):
 
 
 def step(spmd: bool) -> None:
-    import torch
     import torch.nn.functional as F
     import torch_xla
 
@@ -168,9 +191,14 @@ def step(spmd: bool) -> None:
         text = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
         try:
             memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
-            _emit(step=name, spmd=spmd, bytes=memory.total, temp=memory.temp,
-                  mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
-                  sharded=text.count("sharding={devices=["))
+            _emit(
+                step=name,
+                spmd=spmd,
+                bytes=memory.total,
+                temp=memory.temp,
+                mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
+                sharded=text.count("sharding={devices=["),
+            )
         except Exception as exc:
             _emit(step=name, spmd=spmd, error=_error(exc))
         del tensors  # never executed: a Mosaic call cannot run on the CPU

@@ -25,7 +25,9 @@ def _leave_the_tpu_to_torch_xla() -> None:
         warnings.warn(
             "torch_splash: JAX opened the TPU before torch_splash was imported, so torch_xla's "
             "computations may hang (torch_xla issue 8793). Import torch_splash before running JAX "
-            "code, or set JAX_PLATFORMS=cpu.", stacklevel=3)
+            "code, or set JAX_PLATFORMS=cpu.",
+            stacklevel=3,
+        )
 
 
 if _os.environ.get("PJRT_DEVICE", "").upper() == "TPU":

@@ -84,8 +84,7 @@ def _check_tensors(q, k, v) -> tuple[bool, str]:
         )
     if q.shape[-1] != k.shape[-1]:
         raise SplashConstraintError(
-            f"q has head_dim {q.shape[-1]} but k has {k.shape[-1]}: q and k must share head_dim "
-            "(v may differ)."
+            f"q has head_dim {q.shape[-1]} but k has {k.shape[-1]}: q and k must share head_dim (v may differ)."
         )
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq % hkv:
@@ -128,8 +127,10 @@ def _as_int32(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, 
     rank = torch.cat([ordered.new_zeros(1), (ordered[1:] != ordered[:-1]).cumsum(0)])
     renumbered = rank[torch.searchsorted(ordered, joint)].to(torch.int32)
     # clones: a slice at an odd offset is not aligned for DLPack, and JAX would copy it
-    return (renumbered[: q_ids.numel()].view(q_ids.shape).clone(),
-            renumbered[q_ids.numel():].view(kv_ids.shape).clone())
+    return (
+        renumbered[: q_ids.numel()].view(q_ids.shape).clone(),
+        renumbered[q_ids.numel() :].view(kv_ids.shape).clone(),
+    )
 
 
 def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
@@ -171,7 +172,8 @@ def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
         raise SplashDtypeError(f"sinks has dtype {sinks.dtype}: sinks are logits (a float dtype).")
     if tuple(sinks.shape) != (q.shape[-3],):
         raise SplashConstraintError(
-            f"sinks has shape {_shape(sinks)} but must be ({q.shape[-3]},): one logit per query head.")
+            f"sinks has shape {_shape(sinks)} but must be ({q.shape[-3]},): one logit per query head."
+        )
     if sinks.device != q.device:
         raise SplashConstraintError(f"sinks is on {sinks.device} but q is on {q.device}: move it to q's device.")
     return sinks

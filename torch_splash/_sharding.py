@@ -56,8 +56,9 @@ class Sharding:
         if call.k.shape[1] != 1 or h == 1:
             return call
         b, _, length, _ = call.k.shape
-        return dataclasses.replace(call, k=call.k.expand(b, h, length, call.k.shape[3]),
-                                   v=call.v.expand(b, h, length, call.v.shape[3]))
+        return dataclasses.replace(
+            call, k=call.k.expand(b, h, length, call.k.shape[3]), v=call.v.expand(b, h, length, call.v.shape[3])
+        )
 
     def spec(self, role: str) -> tuple:
         """Partition spec of a tensor by role: q (B, Hq, L, D), kv (B, Hkv, L, D), lse (B, Hq, L),
@@ -78,8 +79,10 @@ class Sharding:
 
         # Clones: annotating is in place, and the caller's tensors may be sharded otherwise (XLA
         # then reshards the clone, as shard_map reshards to its in_specs).
-        local = [xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
-                 for t, r in zip(tensors, in_roles)]
+        local = [
+            xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
+            for t, r in zip(tensors, in_roles)
+        ]
         outs = _transport.run(fn, local, "graph", platform)
         return [self._global(o, r) for o, r in zip(outs, out_roles)]
 
@@ -109,11 +112,13 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
     if call.unbatched or len(spec) != 4:
         raise SplashConstraintError(
             f"partition_spec={partition_spec!r}: give one entry per dimension of batched 4-D q, k, v "
-            "(batch, heads, seq_len, head_dim).")
+            "(batch, heads, seq_len, head_dim)."
+        )
     if spec[2] is not None or spec[3] is not None:
         raise SplashConstraintError(
             f"partition_spec={partition_spec!r} shards the sequence or head_dim: splash attention shards batch "
-            "and heads only (every query needs all keys of its row on its device). Use (batch_axes, head_axes, None, None)."
+            "and heads only (every query needs all keys of its row on its device). "
+            "Use (batch_axes, head_axes, None, None)."
         )
     if call.q.device.type != "xla":
         raise SplashConstraintError(f"partition_spec= shards torch_xla SPMD tensors; q is on {call.q.device}.")
@@ -126,7 +131,9 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
     if mesh is None:
         raise SplashConstraintError("partition_spec= needs a mesh: pass mesh= or set one with xs.set_global_mesh().")
     if transport == "dlpack":
-        raise SplashConstraintError("transport='dlpack' cannot carry sharded tensors: leave transport unset (in-graph).")
+        raise SplashConstraintError(
+            "transport='dlpack' cannot carry sharded tensors: leave transport unset (in-graph)."
+        )
     names = list(mesh.axis_names) if mesh.axis_names else []
     for axis in _axes(spec[0]) + _axes(spec[1]):
         if isinstance(axis, str) and axis not in names:

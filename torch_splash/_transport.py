@@ -23,7 +23,6 @@ import torch
 from jax_core import SplashConstraintError
 from jax_core.transport import from_capsule, hlo_module
 
-
 TRANSPORTS = ("dlpack", "graph")
 
 
@@ -47,7 +46,8 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
     if requested == "dlpack" and on_tpu:
         raise SplashConstraintError(
             f"{source}='dlpack' cannot carry TPU buffers (torch_xla and JAX both refuse): use 'graph' or leave it "
-            "unset (in-graph is the default on TPU).")
+            "unset (in-graph is the default on TPU)."
+        )
     if requested is not None:
         return requested
     if on_tpu:
@@ -91,7 +91,8 @@ def platform_of(device: torch.device) -> str:
         if kind == "TPU":
             return "tpu"
         raise SplashConstraintError(
-            f"q is on torch_xla's {kind} device: torch_splash runs on the CPU or a TPU. Use PJRT_DEVICE=CPU or TPU.")
+            f"q is on torch_xla's {kind} device: torch_splash runs on the CPU or a TPU. Use PJRT_DEVICE=CPU or TPU."
+        )
     raise SplashConstraintError(
         f"q is on {device}: torch_splash runs on CPU tensors and torch_xla tensors (CPU or TPU). "
         "Move the inputs to the CPU or to torch_xla's device."

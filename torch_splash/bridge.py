@@ -11,7 +11,6 @@ import jax_core
 from . import _checks, _sharding, _transport
 from . import masks as _masks
 
-
 # Splash as torch.library custom ops, so torch.compile / AOTAutograd trace through them: eager
 # calls run the JAX programs; fake (meta) implementations give torch the output shapes. A call's
 # plan (and SPMD sharding, if any) reaches the ops as an index into _CALLS (ops take ints, not
@@ -64,9 +63,17 @@ def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
 
 
 @torch.library.custom_op("torch_splash::forward", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-             kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, call: int, chosen: str,
-             requested: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    call: int,
+    chosen: str,
+    requested: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and logsumexp (the one residual torch does not already hold)."""
     out, lse = _run(call, "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), chosen, ("q", "lse"))
     return out, lse
@@ -79,8 +86,16 @@ def _(q, k, v, q_ids, kv_ids, sinks, call, chosen, requested):
 
 
 @torch.library.custom_op("torch_splash::infer", mutates_args=())
-def _infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-           kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, call: int, chosen: str) -> torch.Tensor:
+def _infer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    call: int,
+    chosen: str,
+) -> torch.Tensor:
     """The forward without residuals, where no gradient is needed."""
     (out,) = _run(call, "infer", _inputs(q, k, v, q_ids, kv_ids, sinks), chosen, ("q",))
     return out
@@ -92,10 +107,19 @@ def _(q, k, v, q_ids, kv_ids, sinks, call, chosen):
 
 
 @torch.library.custom_op("torch_splash::backward", mutates_args=())
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-              kv_ids: torch.Tensor | None, sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-              d_out: torch.Tensor, call: int, requested: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_out: torch.Tensor,
+    call: int,
+    requested: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
     forward's residuals."""
     inputs = _inputs(q, k, v, q_ids, kv_ids, sinks) + [("q", out), ("lse", lse), ("q", d_out)]
@@ -125,8 +149,9 @@ def _differentiate(ctx, d_out, _):
             "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
         )
     q, k, v, q_ids, kv_ids, sinks, out, lse = ctx.saved_tensors
-    dq, dk, dv, d_sinks = _backward(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, _call_index(*ctx.entry),
-                                    ctx.requested)
+    dq, dk, dv, d_sinks = _backward(
+        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, _call_index(*ctx.entry), ctx.requested
+    )
     return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None, None
 
 
@@ -203,17 +228,40 @@ def attention(
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
     # Under compile a structured mask crosses as its source text (see masks.to_source).
     source = _masks.to_source(mask) if torch.compiler.is_compiling() else None
-    options = dict(mask=mask if source is None else None, mask_source=source, scale=scale, segment_ids=segment_ids,
-                   soft_cap=soft_cap, block_sizes=block_sizes, transport=transport, partition_spec=partition_spec,
-                   mesh=mesh, sinks=sinks)
+    options = dict(
+        mask=mask if source is None else None,
+        mask_source=source,
+        scale=scale,
+        segment_ids=segment_ids,
+        soft_cap=soft_cap,
+        block_sizes=block_sizes,
+        transport=transport,
+        partition_spec=partition_spec,
+        mesh=mesh,
+        sinks=sinks,
+    )
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
 
 # Under torch.compile, Dynamo does not trace this body (checks and planning: plain Python on
 # shapes): it runs on fake tensors while the graph is built and leaves only the custom ops in it.
 @torch._dynamo.nonstrict_trace
-def _attention(q, k, v, mask=None, *, mask_source=None, scale=None, segment_ids=None, soft_cap=None, block_sizes=None,
-               transport=None, partition_spec=None, mesh=None, sinks=None) -> torch.Tensor:
+def _attention(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    mask_source=None,
+    scale=None,
+    segment_ids=None,
+    soft_cap=None,
+    block_sizes=None,
+    transport=None,
+    partition_spec=None,
+    mesh=None,
+    sinks=None,
+) -> torch.Tensor:
     if mask_source is not None:
         mask = _masks.from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import AttentionInterface, masking_utils as mu
+from transformers import AttentionInterface
+from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
 from jax_core import SplashConstraintError
@@ -77,8 +78,12 @@ class _Structure:
     def __and__(self, other: _Structure) -> _Structure:
         if (self.packed is not None and other.packed is not None) or (self.chunk and other.chunk):
             raise _Unrecognised  # two packings or two chunkings: not one set of segment ids
-        return _Structure(_min(self.left, other.left), _min(self.right, other.right),
-                          self.packed if self.packed is not None else other.packed, self.chunk or other.chunk)
+        return _Structure(
+            _min(self.left, other.left),
+            _min(self.right, other.right),
+            self.packed if self.packed is not None else other.packed,
+            self.chunk or other.chunk,
+        )
 
 
 def _read(mask_function) -> _Structure:
@@ -150,8 +155,16 @@ def _structured(left, right, offset: int) -> _masks.Mask:
     return _masks.LocalMask(left, right, offset)
 
 
-def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=mu.causal_mask_function,
-                attention_mask=None, **kwargs):
+def splash_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=mu.causal_mask_function,
+    attention_mask=None,
+    **kwargs,
+):
     """The "splash" entry of AttentionMaskInterface: a SplashMask, or for a mask function it does not
     recognise, HF's dense bool mask (B, 1, Lq, Lkv)."""
     q_offset = int(q_offset)  # StaticCache layers report it as a tensor
@@ -159,27 +172,44 @@ def splash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         structure = _read(mask_function)
     except _Unrecognised:
         kwargs.pop("allow_is_causal_skip", None)
-        return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                            allow_is_causal_skip=False, **kwargs)
+        return mu.sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            mask_function,
+            attention_mask,
+            allow_is_causal_skip=False,
+            **kwargs,
+        )
     device = kwargs.get("device", "cpu")
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     kv_valid = None
     # Whether a mask pads anything is a host read: on torch_xla it would execute the pending graph
     # every step, and under torch.compile it is a data-dependent branch. There padding always
     # becomes segment ids.
-    if padding is not None and (padding.device.type == "xla" or torch.compiler.is_compiling()
-                                or not bool(padding.all())):
-        kv_valid = padding[:, kv_offset:kv_offset + kv_length]
+    if padding is not None and (
+        padding.device.type == "xla" or torch.compiler.is_compiling() or not bool(padding.all())
+    ):
+        kv_valid = padding[:, kv_offset : kv_offset + kv_length]
     segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
     if q_length == 1 and structure.packed is None:
         same_segment = None if segments is None else segments[1] == segments[0]
-        return _decode_mask(batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right,
-                            same_segment, kv_valid, device)
+        return _decode_mask(
+            batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right, same_segment, kv_valid, device
+        )
     mask = _structured(structure.left, structure.right, q_offset - kv_offset)
     if segments is None and kv_valid is None:
         return SplashMask(mask)
-    q_ids, kv_ids = segments if segments is not None else (
-        torch.zeros(batch_size, q_length, dtype=torch.int32), torch.zeros(batch_size, kv_length, dtype=torch.int32))
+    q_ids, kv_ids = (
+        segments
+        if segments is not None
+        else (
+            torch.zeros(batch_size, q_length, dtype=torch.int32),
+            torch.zeros(batch_size, kv_length, dtype=torch.int32),
+        )
+    )
     if kv_valid is not None:
         # Padded keys get id 0, which no query has (real ids are >= 0, shifted to >= 1). HF masks
         # keys only: a padded query row still sees the real keys its mask allows, as in eager and
@@ -209,12 +239,24 @@ def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_va
     if kv_valid is not None:
         kv_ids = kv_ids & kv_valid
     q_ids = torch.ones(batch_size, 1, dtype=torch.int32, device=device)
-    return SplashMask(_masks.FullMask(), (q_ids.to(torch.int32), kv_ids.to(torch.int32)),
-                      pad_keys_to=-(-kv_length // 128) * 128)
+    return SplashMask(
+        _masks.FullMask(), (q_ids.to(torch.int32), kv_ids.to(torch.int32)), pad_keys_to=-(-kv_length // 128) * 128
+    )
 
 
-def splash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                             softcap=None, s_aux=None, **kwargs):
+def splash_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """The "splash" entry of AttentionInterface: query (B, Hq, Lq, D), key/value (B, Hkv, Lkv, D),
     KV heads not repeated, s_aux (Hq,) attention sinks; returns ((B, Lq, Hq, D) contiguous, None)."""
     if dropout:

@@ -28,7 +28,6 @@ import torch
 from jax_core import SplashConstraintError
 from jax_core.masks import (
     STRUCTURED,
-    And,
     CausalMask,
     ChunkedCausalMask,
     DenseMask,
@@ -37,7 +36,6 @@ from jax_core.masks import (
     LocalMask,
     Mask,
     MultiHeadMask,
-    Or,
     PrefixMask,
 )
 
@@ -109,7 +107,8 @@ def _operand(value):
         return value
     raise SplashConstraintError(
         f"cannot combine a mask with {type(value).__name__}: combine torch_splash.masks masks (a bool tensor goes "
-        "through masks.from_tensor).")
+        "through masks.from_tensor)."
+    )
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -131,8 +130,9 @@ class Composed(_Deferred):
     right: object
 
     def resolve(self, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
-        left, right = (m.resolve(batch, heads, q_len, kv_len) if isinstance(m, _Deferred) else m
-                       for m in (self.left, self.right))
+        left, right = (
+            m.resolve(batch, heads, q_len, kv_len) if isinstance(m, _Deferred) else m for m in (self.left, self.right)
+        )
         return left & right if self.op == "and" else left | right
 
 
@@ -141,7 +141,9 @@ def from_mask_mod(fn) -> MaskMod:
     (broadcast, never a Python loop over positions). One that depends on b is refused: express
     per-sequence structure with `segment_ids` instead."""
     if not callable(fn):
-        raise SplashConstraintError(f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}.")
+        raise SplashConstraintError(
+            f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}."
+        )
     return MaskMod(fn)
 
 
@@ -156,7 +158,8 @@ def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Ma
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise SplashConstraintError(
                 f"mask_mod {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}"
-                f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}: it must return a bool tensor."
+                f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}: "
+                "it must return a bool tensor."
             )
         return torch.broadcast_to(out, (out.shape[0] if out.dim() == 3 else 1, q_len, kv_len))
 
@@ -191,7 +194,6 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
         f"mask of type {type(mask).__name__}: pass None, 'causal', a torch_splash.masks mask, a bool "
         "tensor, from_mask_mod(fn), or a list with one mask per query head."
     )
-
 
 
 # Every mask type a caller can pass (torch.compile treats them as constants; see bridge.py).

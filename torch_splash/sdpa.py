@@ -27,7 +27,8 @@ def _causal_bias_mask(bias: CausalBias, q_len: int, kv_len: int) -> _masks.Mask:
     if (bias.seq_len_q, bias.seq_len_kv) != (q_len, kv_len):
         raise SplashConstraintError(
             f"attn_mask is a CausalBias for (Lq, Lkv) = {(bias.seq_len_q, bias.seq_len_kv)} but the call has "
-            f"{(q_len, kv_len)}: build it with the query and key lengths of this call.")
+            f"{(q_len, kv_len)}: build it with the query and key lengths of this call."
+        )
     return _masks.CausalMask(0 if bias.variant == CausalVariant.UPPER_LEFT else kv_len - q_len)
 
 
@@ -72,8 +73,9 @@ def _shared_mask(mask: torch.Tensor) -> _masks.Mask:
     return _masks.MultiHeadMask(tuple(_structured(m) for m in mask))
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """torch.nn.functional.scaled_dot_product_attention through the splash kernels.
 
     Same arguments and results as torch's, for (B, H, L, D) or (H, L, D) inputs. Raises
@@ -86,7 +88,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             "(as at eval time) or torch's SDPA."
         )
     if attn_mask is not None and is_causal:
-        raise SplashConstraintError("attn_mask and is_causal=True together: pass one of them (as torch's SDPA requires).")
+        raise SplashConstraintError(
+            "attn_mask and is_causal=True together: pass one of them (as torch's SDPA requires)."
+        )
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
         if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
             raise SplashConstraintError(
@@ -109,12 +113,16 @@ def masked_attention(query, key, value, attn_mask, **options):
     if not _is_plain(attn_mask):
         raise SplashConstraintError(
             f"attn_mask is a {type(attn_mask).__name__}, a tensor subclass that overrides torch functions: its "
-            "values may not be what it means, so splash does not read them. Pass a plain bool or float tensor.")
+            "values may not be what it means, so splash does not read them. Pass a plain bool or float tensor."
+        )
     batch, heads = (query.shape[0], query.shape[1]) if query.dim() == 4 else (1, query.shape[0])
     mask = _bool_mask(attn_mask)
     try:
-        mask = torch.broadcast_to(mask, (batch, heads, q_len, kv_len)) if query.dim() == 4 else \
-            torch.broadcast_to(mask, (heads, q_len, kv_len))[None]
+        mask = (
+            torch.broadcast_to(mask, (batch, heads, q_len, kv_len))
+            if query.dim() == 4
+            else torch.broadcast_to(mask, (heads, q_len, kv_len))[None]
+        )
     except RuntimeError:
         raise SplashConstraintError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Lq, Lkv) = "
@@ -132,10 +140,12 @@ def masked_attention(query, key, value, attn_mask, **options):
         q_ids = torch.ones(batch, q_len, dtype=torch.int32, device=mask.device)
         segment_ids = (q_ids, valid.to(torch.int32))
         return attention(query, key, value, _shared_mask(shared), segment_ids=segment_ids, **options)
-    return torch.cat([
-        attention(query[b:b + 1], key[b:b + 1], value[b:b + 1], _shared_mask(mask[b]), **options)
-        for b in range(batch)
-    ])
+    return torch.cat(
+        [
+            attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], _shared_mask(mask[b]), **options)
+            for b in range(batch)
+        ]
+    )
 
 
 class _RouteSDPA(torch.overrides.TorchFunctionMode):
@@ -157,8 +167,10 @@ class _RouteSDPA(torch.overrides.TorchFunctionMode):
         except SplashError as err:
             if not self.warned:
                 self.warned = True
-                warnings.warn(f"torch_splash.route_sdpa: falling back to torch SDPA for a call splash cannot serve: {err}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"torch_splash.route_sdpa: falling back to torch SDPA for a call splash cannot serve: {err}",
+                    stacklevel=2,
+                )
             return func(*args, **kwargs)
 
 

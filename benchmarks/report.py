@@ -1,0 +1,205 @@
+"""The benchmark tables, generated from benchmarks/results/*.json: one home for how a result reads.
+
+Each benchmark saves its results through `save` (which records the machine and the command) and
+prints its own section; `docs/benchmarks.md` is this module's output for the last full run of each,
+so a figure in the docs is always the one a run wrote.
+
+    ./dev.sh bench-report            # rewrite docs/benchmarks.md from the results files
+    ./dev.sh bench-report --check    # exit 1 if docs/benchmarks.md does not match them (the tests run this)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+GiB = 2**30
+
+
+def machine() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    return f"{platform.machine()} {model}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def _read(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def save(name: str, results: dict, quick: bool, command: str) -> pathlib.Path:
+    """Write results/<name>.json (or <name>_quick.json), with the machine, date and command, and
+    print the section docs/benchmarks.md will show for it."""
+    results = {
+        **results,
+        "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "command": command + (" --quick" if quick else ""),
+    }
+    out = RESULTS / f"{name}{'_quick' if quick else ''}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(SECTIONS[name][1](results))
+    print(f"wrote {out.relative_to(ROOT)}")
+    return out
+
+
+def _bridge(r: dict) -> str:
+    lg, sm = r["large"], r["small"]
+    ms, us = (lambda s: f"{s * 1e3:.0f} ms"), (lambda s: f"{s * 1e6:.0f} us")
+    return "\n".join(
+        [
+            f"| {lg['shape']} | bridge | direct JAX | ratio (target <= 1.05) | SDPA |",
+            "|---|---|---|---|---|",
+            f"| forward, no grad | {ms(lg['bridge_fwd'])} | {ms(lg['direct_fwd'])} | {lg['ratio_fwd']:.3f} "
+            f"| {ms(lg['sdpa_fwd'])} |",
+            f"| forward, inputs requiring grad (vs jax.vjp forward) | {ms(lg['bridge_fwd_train'])} "
+            f"| {ms(lg['direct_fwd_train'])} | {lg['ratio_fwd_train']:.3f} | |",
+            f"| forward+backward | {ms(lg['bridge_fwd_bwd'])} | {ms(lg['direct_fwd_bwd'])} | {lg['ratio_fwd_bwd']:.3f} "
+            f"| {ms(lg['sdpa_fwd_bwd'])} |",
+            "",
+            f"| {sm['shape']} | bridge | direct JAX | bridge overhead | SDPA | bridge / SDPA |",
+            "|---|---|---|---|---|---|",
+            f"| forward, no grad | {us(sm['bridge_fwd'])} | {us(sm['direct_fwd'])} "
+            f"| {sm['bridge_overhead_fwd_us']:.0f} us | {us(sm['sdpa_fwd'])} | {sm['ratio_to_sdpa_fwd']:.1f}x |",
+            f"| forward+backward | {us(sm['bridge_fwd_bwd'])} | {us(sm['direct_fwd_bwd'])} "
+            f"| {sm['bridge_overhead_fwd_bwd_us']:.0f} us | {us(sm['sdpa_fwd_bwd'])} "
+            f"| {sm['ratio_to_sdpa_fwd_bwd']:.1f}x |",
+        ]
+    )
+
+
+def _masks(r: dict) -> str:
+    lines = ["| mask | L | jax_core.tables | JAX _process_mask | speedup |", "|---|---|---|---|---|"]
+    for row in r["tables"]:
+        jax_s = f"{row['jax_s']:.3f} s" if "jax_s" in row else "not run"
+        speed = f"{row['speedup']:.0f}x" if "speedup" in row else ""
+        lines.append(f"| {row['mask']} | {row['L'] // 1024}K | {row['ours_s']:.3f} s | {jax_s} | {speed} |")
+    lines += [
+        "",
+        "| L | splash LocalMask(1023) forward | SDPA, dense bool mask | splash time / L, relative to 2K |",
+        "|---|---|---|---|",
+    ]
+    base = r["window_1024"][0]["splash_s"] / r["window_1024"][0]["L"]
+    for row in r["window_1024"]:
+        lines.append(
+            f"| {row['L'] // 1024}K | {row['splash_s']:.2f} s | {row['sdpa_dense_s']:.2f} s "
+            f"| {row['splash_s'] / row['L'] / base:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _hf(r: dict) -> str:
+    lines = [
+        f"| model (training step, median of {r['rounds']} rounds) | L | splash | sdpa | splash / sdpa |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['model']} | {row['length']} | {row['splash_s']:.3f} s | {row['sdpa_s']:.3f} s "
+            f"| {row['ratio']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _transports(r: dict) -> str:
+    lines = [f"| {r['setting']} | step time | XLA executions per step |", "|---|---|---|"]
+    for name in ("graph", "dlpack", "sdpa"):
+        lines.append(f"| {name} | {r[name]['step_s'] * 1e3:.0f} ms | {r[name]['executions_per_step']} |")
+    return "\n".join(lines)
+
+
+def _gib(row: dict) -> str:
+    if "refused" in row:
+        return "refused by torch_splash"
+    figure = f"{row['bytes'] / GiB:.2f} GiB"
+    if row["fits"]:
+        return figure
+    single = "a single buffer of " if row.get("lower_bound") else ""
+    return f"does not fit ({single}{figure} > {row['capacity'] / GiB:.2f})"
+
+
+def _tpu_memory(r: dict) -> str:
+    shape = r["shape"]
+    lines = [
+        f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
+        f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}; libtpu {r['libtpu']}, Mosaic IR "
+        f"{r['mosaic_ir_version']}; arguments + outputs + temporaries per chip.",
+        "",
+        "| chip | L | torch_splash | torch SDPA on torch_xla | SDPA / splash |",
+        "|---|---|---|---|---|",
+    ]
+    rows = {(row["generation"], row["L"], row["impl"]): row for row in r["rows"]}
+    for generation, length, _ in [key for key in rows if key[2] == "splash"]:
+        splash, sdpa = rows[(generation, length, "splash")], rows[(generation, length, "sdpa")]
+        ratio = f"{sdpa['bytes'] / splash['bytes']:.0f}x" if splash["fits"] and sdpa["fits"] else ""
+        lines.append(f"| {generation} | {length // 1024}K | {_gib(splash)} | {_gib(sdpa)} | {ratio} |")
+    for key, length in r["largest"].items():
+        generation, name = key.split("/")
+        lines.append(f"| {generation} | largest L that fits, {name} | {length // 1024}K | | |")
+    return "\n".join(lines)
+
+
+# name: (title, render); in the order docs/benchmarks.md shows them
+SECTIONS = {
+    "bridge": ("The bridge's cost over calling the JAX kernel directly (CPU, interpret mode)", _bridge),
+    "masks": ("Block tables for long context, and a sliding window as L grows (CPU)", _masks),
+    "hf": ('HuggingFace training step: attn_implementation="splash" vs "sdpa" (CPU)', _hf),
+    "transports": ("torch_xla training step: in-graph transport vs DLPack (torch_xla's CPU device)", _transports),
+    "tpu_memory": ("HBM per training step, from the TPU compiler (libtpu, deviceless)", _tpu_memory),
+}
+
+
+def document() -> str:
+    parts = [
+        "# Benchmarks",
+        "",
+        "Generated by `./dev.sh bench-report` from `benchmarks/results/*.json`; do not edit by hand.",
+        "Each section is the last full run of its benchmark, with the machine it ran on and the command",
+        "that reproduces it. Ratios compare contenders measured in the same run.",
+    ]
+    for name, (title, render) in SECTIONS.items():
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        parts += [
+            "",
+            f"## {title}",
+            "",
+            f"`{result['command']}` on {result['machine']}, {result['date']}.",
+            "",
+            render(result),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = document()
+    if "--check" in argv:
+        if DOC.read_text() != text:
+            print(f"{DOC.relative_to(ROOT)} does not match benchmarks/results: run ./dev.sh bench-report")
+            return 1
+        return 0
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
