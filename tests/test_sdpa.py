@@ -106,18 +106,67 @@ def test_what_splash_cannot_serve_is_a_clear_error():
     q, k, v = make_qkv(1, 4, 2, 16, 16, 64, 64, torch.float32)
     with pytest.raises(SplashConstraintError, match="no attention dropout"):
         torch_splash.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
-    with pytest.raises(SplashConstraintError, match="pass enable_gqa=True"):
-        torch_splash.scaled_dot_product_attention(q, k, v)
     with pytest.raises(SplashConstraintError, match="additive bias"):
         torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.randn(16, 16), enable_gqa=True)
-    with pytest.raises(SplashConstraintError, match="together"):
+    with pytest.raises(torch_splash.SplashDtypeError, match="float64"):
+        torch_splash.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), enable_gqa=True)
+
+
+def _rejected_by_sdpa():
+    """One case per kind of input torch's SDPA rejects: (q, k, v, kwargs)."""
+    r = torch.randn
+    qkv = (r(1, 4, 16, 8), r(1, 4, 16, 8), r(1, 4, 16, 8))
+    return {
+        "1-D inputs": ((r(8), r(8), r(8)), {}),
+        "mixed dtypes": ((qkv[0], qkv[1].bfloat16(), qkv[2]), {}),
+        "integer inputs": (tuple(t.int() for t in qkv), {}),
+        "head dims differ": ((qkv[0], r(1, 4, 16, 16), qkv[2]), {}),
+        "heads differ without enable_gqa": ((qkv[0], r(1, 2, 16, 8), r(1, 2, 16, 8)), {}),
+        "heads not a multiple, enable_gqa": ((r(1, 3, 16, 8), r(1, 2, 16, 8), r(1, 2, 16, 8)), {"enable_gqa": True}),
+        "batch does not broadcast": ((r(2, 4, 16, 8), r(3, 4, 16, 8), r(3, 4, 16, 8)), {}),
+        "mask shape does not broadcast": (qkv, {"attn_mask": torch.ones(3, 16, 16, dtype=torch.bool)}),
+        "mask dtype neither bool nor query's": (qkv, {"attn_mask": torch.ones(16, 16, dtype=torch.int32)}),
+        "float mask of another dtype": (qkv, {"attn_mask": torch.zeros(16, 16, dtype=torch.float64)}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_rejected_by_sdpa()))
+def test_inputs_sdpa_rejects_raise_sdpa_s_runtime_error(case):
+    """Code written for SDPA catches RuntimeError: the drop-in raises it where SDPA does, before any
+    JAX work, and not one of splash's own errors."""
+    args, kwargs = _rejected_by_sdpa()[case]
+    with pytest.raises(RuntimeError):
+        SDPA(*args, **kwargs)
+    with pytest.raises(RuntimeError) as raised:
+        torch_splash.scaled_dot_product_attention(*args, **kwargs)
+    assert not isinstance(raised.value, torch_splash.SplashError), raised.value
+
+
+def test_attn_mask_with_is_causal_is_sdpa_s_documented_runtime_error():
+    """torch documents an error for attn_mask with is_causal=True (its CPU math path computes
+    something instead, equal to neither mask)."""
+    q, k, v = make_qkv(1, 4, 4, 16, 16, 8, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
         torch_splash.scaled_dot_product_attention(
-            q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True, enable_gqa=True
+            q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True
         )
-    with pytest.raises(SplashConstraintError, match="does not broadcast"):
-        torch_splash.scaled_dot_product_attention(
-            q, k, v, attn_mask=torch.ones(3, 16, 16, dtype=torch.bool), enable_gqa=True
-        )
+
+
+def test_any_batch_layout_sdpa_serves():
+    """No batch (L, D), several batch dimensions, and broadcast batches, as SDPA serves them."""
+    g = torch.Generator().manual_seed(3)
+
+    def make(*shapes):
+        return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+
+    both(*make((20, 8), (30, 8), (30, 8)), is_causal=True)
+    both(*make((20, 8), (30, 8), (30, 8)), attn_mask=torch.rand(20, 30, generator=g) > 0.3)
+    both(
+        *make((3, 2, 4, 20, 8), (3, 2, 2, 30, 8), (3, 2, 2, 30, 8)),
+        enable_gqa=True,
+        attn_mask=torch.rand(2, 1, 20, 30, generator=g) > 0.3,
+    )
+    both(*make((2, 2, 20, 8), (1, 2, 30, 8), (1, 2, 30, 8)), is_causal=True)
 
 
 class TinyAttentionModel(nn.Module):

@@ -73,30 +73,106 @@ def _shared_mask(mask: torch.Tensor) -> _masks.Mask:
     return _masks.MultiHeadMask(tuple(_structured(m) for m in mask))
 
 
+def _reject_like_sdpa(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
+    """RuntimeError for the inputs torch's SDPA itself rejects, so that code written for SDPA
+    catches what it always caught; splash's own errors are left for what SDPA serves and splash
+    cannot."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(
+            "scaled_dot_product_attention(): query, key and value must be tensors, got "
+            f"{', '.join(type(t).__name__ for t in tensors)}."
+        )
+    if min(t.dim() for t in tensors) < 2:
+        raise RuntimeError(
+            "Expected query, key, and value to all be at least 2 dimensional, but got query.dim: "
+            f"{query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead."
+        )
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead."
+        )
+    if not query.dtype.is_floating_point:
+        raise RuntimeError(f"Expected query, key and value to be floating point, but got {query.dtype}.")
+    if query.shape[-1] != key.shape[-1]:
+        raise RuntimeError(
+            f"Expected query and key to have the same head dimension, but got {query.shape[-1]} and {key.shape[-1]}."
+        )
+    if query.dim() >= 3 and key.dim() >= 3:
+        q_heads, kv_heads = query.shape[-3], key.shape[-3]
+        if q_heads != kv_heads and (not enable_gqa or q_heads % kv_heads):
+            raise RuntimeError(
+                f"query has {q_heads} heads and key has {kv_heads}: the number of query heads must equal the "
+                "number of key heads, or be a multiple of it with enable_gqa=True."
+            )
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError as err:
+        raise RuntimeError(f"query, key and value have batch dimensions that do not broadcast: {err}") from None
+    if attn_mask is None or not isinstance(attn_mask, torch.Tensor) or isinstance(attn_mask, CausalBias):
+        return
+    if is_causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        raise RuntimeError(
+            "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: "
+            f"{attn_mask.dtype} and query.dtype: {query.dtype} instead."
+        )
+    heads = query.shape[-3] if query.dim() >= 3 else 1
+    full = (*batch, heads, query.shape[-2], key.shape[-2])
+    try:
+        torch.broadcast_shapes(attn_mask.shape, full)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (..., Hq, Lq, Lkv) = {full}: {err}"
+        ) from None
+
+
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """torch.nn.functional.scaled_dot_product_attention through the splash kernels.
 
-    Same arguments and results as torch's, for (B, H, L, D) or (H, L, D) inputs. Raises
-    SplashConstraintError for what splash cannot do: dropout_p > 0, float masks that are biases
-    rather than 0/-inf, attn_mask together with is_causal, or Hq != Hkv without enable_gqa.
+    Args:
+        query: (..., Hq, Lq, D); key: (..., Hkv, Lkv, D); value: (..., Hkv, Lkv, Dv). Leading batch
+            dimensions broadcast as in torch (any number, or none); float32, bfloat16 or float16.
+        attn_mask: None, a bool mask (True attends) or a float mask of 0 and -inf, broadcastable to
+            (..., Hq, Lq, Lkv); or a torch.nn.attention.bias.CausalBias.
+        dropout_p: must be 0.0.
+        is_causal: SDPA's causal mask (top-left aligned when Lq != Lkv).
+        scale: defaults to 1 / sqrt(D).
+        enable_gqa: allow Hq to be a multiple of Hkv.
+
+    Returns:
+        (..., Hq, Lq, Dv), query's dtype.
+
+    Raises:
+        RuntimeError: for what torch's SDPA itself rejects (fewer than 2 dimensions, mixed dtypes,
+            head dims or head counts that do not match, batch or mask shapes that do not broadcast,
+            a mask dtype that is neither bool nor query's, attn_mask with is_causal).
+        SplashConstraintError, SplashDtypeError: for what SDPA serves and splash cannot (dropout,
+            a float bias that is not 0/-inf, float64, ...).
     """
+    _reject_like_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
     if dropout_p:
         raise SplashConstraintError(
             f"dropout_p={dropout_p}: splash attention has no attention dropout. Use dropout_p=0.0 "
             "(as at eval time) or torch's SDPA."
         )
-    if attn_mask is not None and is_causal:
-        raise SplashConstraintError(
-            "attn_mask and is_causal=True together: pass one of them (as torch's SDPA requires)."
-        )
-    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
-        if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
-            raise SplashConstraintError(
-                f"query has {query.shape[-3]} heads and key has {key.shape[-3]}: pass enable_gqa=True "
-                "for grouped-query attention (as torch's SDPA requires)."
-            )
+    if query.dim() == 2:  # (L, D): one head, no batch
+        plain = attn_mask is not None and not isinstance(attn_mask, CausalBias) and attn_mask.dim() >= 2
+        mask = attn_mask[None] if plain else attn_mask
+        return scaled_dot_product_attention(query[None], key[None], value[None], mask, 0.0, is_causal, scale)[0]
+    batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    if query.dim() > 4 or key.dim() > 4 or value.dim() > 4 or key.shape[:-3] != batch or value.shape[:-3] != batch:
+        # Any other batch layout: broadcast, flattened to one batch dimension, and back.
+        flat = [t.expand(*batch, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
+        if attn_mask is not None and not isinstance(attn_mask, CausalBias):
+            full = (*batch, query.shape[-3], query.shape[-2], key.shape[-2])
+            attn_mask = attn_mask.expand(full).reshape(-1, *full[-3:])
+        out = scaled_dot_product_attention(*flat, attn_mask, 0.0, is_causal, scale, enable_gqa)
+        return out.reshape(*batch, *out.shape[-3:])
     if attn_mask is None:
         return attention(query, key, value, "causal" if is_causal else None, scale=scale)
     return masked_attention(query, key, value, attn_mask, scale=scale)
