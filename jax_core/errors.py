@@ -20,7 +20,8 @@ class SplashConstraintError(SplashError, ValueError):
 
 
 class SplashDtypeError(SplashError, TypeError):
-    """Inputs whose dtypes the kernels cannot take (mismatched, integer, or unsupported float).
+    """An argument of the wrong type (not a tensor where one is needed), or tensors whose dtypes the
+    kernels cannot take (mismatched, integer where floats are needed, float64).
 
-    Raised before any JAX work, naming the arguments, their dtypes and the cast that fixes it.
+    Raised before any JAX work, naming the arguments, their types or dtypes and the fix.
     """

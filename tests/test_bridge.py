@@ -108,7 +108,7 @@ def test_backward_runs_only_the_backward_kernels():
 def test_double_backward_is_a_clear_error():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="not double backward"):
+    with pytest.raises(torch_splash.SplashConstraintError, match="not double backward"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
 
 

@@ -138,7 +138,7 @@ def test_empty_tensors():
 
 def test_not_tensors():
     q, k, v = qkv()
-    raises(TypeError, r"k must be a torch.Tensor", q, k.tolist(), v)
+    raises(SplashDtypeError, r"k must be a torch.Tensor", q, k.tolist(), v)
 
 
 def test_different_devices(xla_device):
@@ -268,5 +268,55 @@ def test_unsupported_devices_are_a_splash_error_before_anything_else():
 
 
 def test_every_public_error_is_a_splash_error():
+    """One refusal of each kind a user can meet, through every public entry point: each is one of
+    torch_splash's errors (catch SplashError for all), ValueError or TypeError by kind, before any
+    JAX work."""
+    import torch_splash.hf
+    from torch_splash import masks
+
     assert issubclass(SplashConstraintError, torch_splash.SplashError) and issubclass(SplashConstraintError, ValueError)
     assert issubclass(SplashDtypeError, torch_splash.SplashError) and issubclass(SplashDtypeError, TypeError)
+    q = torch.randn(1, 2, 16, 8)
+    refusals = {
+        "q not a tensor": lambda: torch_splash.attention(q.tolist(), q, q),
+        "3 dims and 4": lambda: torch_splash.attention(q[0], q, q),
+        "integer dtype": lambda: torch_splash.attention(*(q.int(),) * 3),
+        "float64": lambda: torch_splash.attention(*(q.double(),) * 3),
+        "meta device": lambda: torch_splash.attention(*(q.to("meta"),) * 3),
+        "unknown string mask": lambda: torch_splash.attention(q, q, q, "nonsense"),
+        "mask of another type": lambda: torch_splash.attention(q, q, q, 5),
+        "mask & int": lambda: masks.CausalMask() & 3,
+        "from_tensor of a list": lambda: masks.from_tensor([1]),
+        "from_mask_mod of a non-callable": lambda: masks.from_mask_mod(3),
+        "negative window": lambda: masks.LocalMask(-3),
+        "offset beyond int32": lambda: masks.CausalMask(offset=2**40),
+        "per-head mask, wrong head count": lambda: torch_splash.attention(
+            q, q, q, masks.MultiHeadMask([masks.CausalMask()] * 3)
+        ),
+        "segment ids of floats": lambda: torch_splash.attention(q, q, q, segment_ids=torch.zeros(1, 16)),
+        "segment ids of a list": lambda: torch_splash.attention(q, q, q, segment_ids=[0] * 16),
+        "segment ids, wrong length": lambda: torch_splash.attention(
+            q, q, q, segment_ids=torch.zeros(1, 15, dtype=torch.int32)
+        ),
+        "block_sizes of an int": lambda: torch_splash.attention(q, q, q, block_sizes=3),
+        "block_kv not a multiple of 128": lambda: torch_splash.attention(
+            q, q, q, block_sizes=torch_splash.BlockSizes(block_kv=100)
+        ),
+        "unknown transport": lambda: torch_splash.attention(q, q, q, transport="x"),
+        "scale of a string": lambda: torch_splash.attention(q, q, q, scale="a"),
+        "negative soft cap": lambda: torch_splash.attention(q, q, q, soft_cap=-1.0),
+        "sinks, wrong shape": lambda: torch_splash.attention(q, q, q, sinks=torch.zeros(3)),
+        "sinks of a list": lambda: torch_splash.attention(q, q, q, sinks=[0.0, 0.0]),
+        "partition_spec on CPU tensors": lambda: torch_splash.attention(
+            q, q, q, partition_spec=("a", None, None, None)
+        ),
+        "drop-in: dropout": lambda: torch_splash.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
+        "drop-in: float bias": lambda: torch_splash.scaled_dot_product_attention(
+            q, q, q, attn_mask=torch.randn(16, 16)
+        ),
+        "hf.patch of a non-model": lambda: torch_splash.hf.patch(3),
+    }
+    for name, refused in refusals.items():
+        with pytest.raises(torch_splash.SplashError) as raised:
+            refused()
+        assert isinstance(raised.value, (ValueError, TypeError)), name

@@ -50,7 +50,7 @@ def test_sinks_match_the_reference(case, dtype):
     [
         (torch.zeros(3), torch_splash.SplashConstraintError, r"must be \(4,\): one logit per query head"),
         (torch.zeros(4, dtype=torch.int32), torch_splash.SplashDtypeError, "sinks are logits"),
-        ([0.0] * 4, TypeError, "sinks must be a torch.Tensor"),
+        ([0.0] * 4, torch_splash.SplashDtypeError, "sinks must be a torch.Tensor"),
     ],
 )
 def test_bad_sinks_are_clear_errors(sinks, error, match):

@@ -44,7 +44,7 @@ def _check_tensors(q, k, v) -> tuple[bool, str]:
     """(whether the inputs are unbatched, the kernels' platform)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            raise SplashDtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
         raise SplashConstraintError(
             f"q, k, v have shapes {_shape(q)}, {_shape(k)}, {_shape(v)}: expected all 4-D "
@@ -99,7 +99,7 @@ def _check_tensors(q, k, v) -> tuple[bool, str]:
 
 def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str, device) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(ids).__name__}.")
+        raise SplashDtypeError(f"{name} must be an integer torch.Tensor, got {type(ids).__name__}.")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise SplashDtypeError(f"{name} has dtype {ids.dtype}: segment ids are integers (e.g. torch.int32).")
     expected = (length,) if batch is None else (batch, length)
@@ -148,8 +148,9 @@ def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
         q_ids = _check_ids("segment_ids[0] (q ids)", segment_ids[0], batch, q_len, "Lq", device)
         kv_ids = _check_ids("segment_ids[1] (kv ids)", segment_ids[1], batch, kv_len, "Lkv", device)
         return _as_int32(q_ids, kv_ids)
-    raise TypeError(
-        "segment_ids must be an int tensor (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv))."
+    raise SplashDtypeError(
+        f"segment_ids is a {type(segment_ids).__name__}: it must be an int tensor (B, L) when Lq == Lkv, "
+        "or a pair (q_ids (B, Lq), kv_ids (B, Lkv))."
     )
 
 
@@ -167,7 +168,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}.")
+        raise SplashDtypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}.")
     if not sinks.dtype.is_floating_point:
         raise SplashDtypeError(f"sinks has dtype {sinks.dtype}: sinks are logits (a float dtype).")
     if tuple(sinks.shape) != (q.shape[-3],):

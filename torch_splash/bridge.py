@@ -7,6 +7,7 @@ import itertools
 import torch
 
 import jax_core
+from jax_core import SplashConstraintError
 
 from . import _checks, _sharding, _transport
 from . import masks as _masks
@@ -144,7 +145,7 @@ def _save_residuals(ctx, inputs, output):
 
 def _differentiate(ctx, d_out, _):
     if torch.is_grad_enabled():  # create_graph=True
-        raise NotImplementedError(
+        raise SplashConstraintError(
             "torch_splash.attention supports one backward pass, not double backward "
             "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
         )

@@ -287,7 +287,23 @@ def register(name: str = NAME) -> None:
 
 
 def patch(model, name: str = NAME):
-    """Switch an already-loaded model (and its sub-models) to splash attention; returns the model."""
+    """Switch an already-loaded model (and its sub-models) to splash attention.
+
+    Args:
+        model: a transformers `PreTrainedModel`.
+        name: the attention implementation name to register and select.
+
+    Returns:
+        The same model, now running attention through splash.
+
+    Raises:
+        SplashConstraintError: `model` is not a transformers model.
+    """
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise SplashConstraintError(
+            f"patch() takes a transformers PreTrainedModel, got {type(model).__name__}: load the model with "
+            'transformers first (or pass attn_implementation="splash" to from_pretrained / from_config).'
+        )
     register(name)
     model.set_attn_implementation(name)
     return model
