@@ -12,7 +12,7 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import BlockSizes, Plan, plan
+from .plan import BlockSizes, Plan, lane_padded, plan
 
 __all__ = [
     "BlockSizes",
@@ -30,6 +30,7 @@ __all__ = [
     "SplashDtypeError",
     "SplashError",
     "TRACES",
+    "lane_padded",
     "plan",
     "program",
 ]

@@ -8,7 +8,8 @@ sequences to a multiple of 128 and of every block on that axis, so these hold fo
 Blocks the caller leaves as None are planned; blocks the caller sets are checked, and clamped when
 they exceed the padded sequence (the fix the JAX error reports recommend).
 
-No JAX import: planning and its errors happen before any JAX work.
+Pure Python and NumPy on shapes: planning and its errors happen before any JAX computation (the
+mask specs it reads come from `jax_core.masks`, which imports the kernel's mask module).
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ class Plan:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _blocks_along(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def lane_padded(length: int) -> int:
+    """The length every sequence is padded to at least: the next multiple of the lane width (128).
+    A caller that pads keys to it itself (HF decoding) adds no padding the kernel would not."""
+    return _round_up(length, LANES)
 
 
 def _nearest_multiples(value: int, multiple: int) -> str:
@@ -226,7 +237,9 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
-        while table_heads * -(-q128 // blocks[q_name]) * -(-kv128 // blocks[kv_name]) > SMEM_TABLE_ENTRIES:
+        while (entries := table_heads * _blocks_along(q128, blocks[q_name]) * _blocks_along(kv128, blocks[kv_name])) > (
+            SMEM_TABLE_ENTRIES
+        ):
             grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
             candidates = [
                 n
@@ -239,8 +252,9 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
                 raise SplashConstraintError(
                     f"Lq={q128}, Lkv={kv128} (rounded to 128){' with ' + given if given else ''}: the {kernel} kernel "
-                    f"needs {table_heads} x {-(-q128 // blocks[q_name])} x {-(-kv128 // blocks[kv_name])} block-table "
-                    f"entries, more than the {SMEM_TABLE_ENTRIES} the TPU's 1 MiB SMEM holds, even with the largest "
+                    f"needs {entries} block-table entries ({table_heads} x {_blocks_along(q128, blocks[q_name])} x "
+                    f"{_blocks_along(kv128, blocks[kv_name])}: heads x q blocks x kv blocks), more than the "
+                    f"{SMEM_TABLE_ENTRIES} the TPU's 1 MiB SMEM holds, even with the largest "
                     "blocks its VMEM allows. Use larger explicit blocks if they were set, a per-head mask shared by "
                     "all heads, or split the sequence across devices."
                 )
@@ -255,7 +269,7 @@ def plan_blocks(
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
     target = _TARGETS[platform]
-    q128, kv128 = _round_up(q_len, LANES), _round_up(kv_len, LANES)
+    q128, kv128 = lane_padded(q_len), lane_padded(kv_len)
     fused = target["fused"] if user.use_fused_bwd_kernel is None else user.use_fused_bwd_kernel
     if user.use_fused_bwd_kernel is None and (user.block_q_dq or user.block_kv_dq):
         fused = False  # the caller asked for dq blocks, so they want the separate dq kernel

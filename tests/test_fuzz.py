@@ -6,7 +6,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import reference
+from helpers import reference
 
 import torch_splash
 from torch_splash import masks

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from helpers import dense_mask  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
 
 import jax_core  # noqa: E402
@@ -214,11 +215,8 @@ def test_generation_compiles_once_per_128_cached_tokens():
 
 
 def _dense(splash_mask, q_len, kv_len):
-    allowed = torch.from_numpy(splash_mask.mask.dense(q_len, kv_len).copy())[None]
-    if splash_mask.segment_ids is not None:
-        q_ids, kv_ids = splash_mask.segment_ids
-        allowed = allowed & (q_ids[:, :, None] == kv_ids[:, None, :])
-    return allowed
+    """(B or 1, Lq, Lkv): what an HF SplashMask (mask and segment ids) allows."""
+    return dense_mask(splash_mask.mask, q_len, kv_len, splash_mask.segment_ids)[:, 0]
 
 
 @pytest.mark.parametrize("window", [None, 3])

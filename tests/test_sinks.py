@@ -6,8 +6,7 @@ import jax.export
 import jax.numpy as jnp
 import pytest
 import torch
-from conftest import reference
-from helpers import TOL, make_qkv
+from helpers import TOL, make_qkv, reference
 
 import jax_core
 import torch_splash

@@ -88,13 +88,19 @@ def _check_tensors(q, k, v) -> tuple[bool, str]:
         )
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq % hkv:
-        nearest = sorted(d for d in range(1, hq + 1) if hq % d == 0)
+        nearest = common_divisors(hq)
         raise SplashConstraintError(
             f"q has {hq} heads and k, v have {hkv}: the number of query heads must be a multiple of "
             f"the number of key/value heads (MHA, GQA, MQA). Valid kv head counts for {hq} query "
             f"heads: {nearest}."
         )
     return unbatched, platform
+
+
+def common_divisors(*counts: int) -> list[int]:
+    """The head counts (or shard counts) that divide every one of `counts`: the one rule behind
+    GQA grouping (kv heads must divide query heads) and head sharding (shards must divide both)."""
+    return [d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)]
 
 
 def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str, device) -> torch.Tensor:

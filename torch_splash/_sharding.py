@@ -21,7 +21,7 @@ import torch
 
 from jax_core import SplashConstraintError
 
-from . import _transport
+from . import _checks, _transport
 
 
 def _axes(entry) -> tuple:
@@ -149,6 +149,6 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
         raise SplashConstraintError(
             f"{kv_heads} kv heads do not split over {h} head shards ({spec[1]!r}): with GQA both head counts must "
             f"be multiples of the head shards (a single kv head is copied to each). Valid head shard counts: "
-            f"{[d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and q_heads % d == 0]}."
+            f"{_checks.common_divisors(q_heads, kv_heads)}."
         )
     return sharding
