@@ -20,7 +20,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 import jax_core  # noqa: E402
 import torch_splash  # noqa: E402
-from torch_splash import bridge  # noqa: E402
+from torch_splash import _ops, api  # noqa: E402
 
 CASES = {
     # name: (partition_spec, Hq, Hkv, mask, segment ids, sinks)
@@ -35,16 +35,16 @@ CASES = {
 }
 
 
-RAN = []  # the (plan, sharding) of every kernel run, recorded around bridge._run
-_run = bridge._run
+RAN = []  # the (plan, sharding) of every kernel run, recorded around _ops._run
+_run = _ops._run
 
 
 def _recording_run(index, *args):
-    RAN.append(bridge._CALLS[index])
+    RAN.append(_ops._REGISTERED_PLANS[index])
     return _run(index, *args)
 
 
-bridge._run = _recording_run
+_ops._run = _recording_run
 
 
 def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
@@ -62,7 +62,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
     )
     sharding = _sharding.check(spec, mesh, call, None)
     call = sharding.spread_single_kv_head(call)
-    plan = bridge._plan(call, None, "tpu", sharding)
+    plan = api._plan(call, None, "tpu", sharding)
     program = jax_core.program(plan)
     shapes = [
         (plan.batch, h, length, d)

@@ -7,7 +7,7 @@ from helpers import assert_matches_reference, make_qkv
 
 import jax_core
 import torch_splash
-import torch_splash.bridge as bridge
+import torch_splash._ops as ops
 from torch_splash import _transport
 from torch_splash.masks import CausalMask
 
@@ -51,7 +51,7 @@ def test_kernel_reads_the_callers_buffers(monkeypatch):
             seen["infer"] = [a.unsafe_buffer_pointer() for a in arrays]
             return self.program.infer(*arrays)
 
-    monkeypatch.setattr(bridge.jax_core, "program", lambda plan: Spy(real_program(plan)))
+    monkeypatch.setattr(ops.jax_core, "program", lambda plan: Spy(real_program(plan)))
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v)
     assert seen["forward"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
@@ -150,15 +150,15 @@ def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
 
 
 def test_call_registry_is_bounded_and_a_pending_backward_survives_eviction(monkeypatch):
-    from torch_splash import bridge
+    from torch_splash import _ops as ops
 
-    monkeypatch.setattr(bridge, "_MAX_CALLS", 2)
+    monkeypatch.setattr(ops, "MAX_REGISTERED_PLANS", 2)
     q, k, v = make_qkv(1, 2, 2, 24, 24, 32, 32, torch.float32)
     out = torch_splash.attention(q, k, v, "causal")  # its backward is still to come
     for length in (8, 9, 10):  # three other configurations evict its registry entry
         with torch.no_grad():
             torch_splash.attention(q[:, :, :length], k, v)
-    assert len(bridge._CALLS) == len(bridge._CALL_INDEX) <= 2
+    assert len(ops._REGISTERED_PLANS) == len(ops._PLAN_NUMBERS) <= 2
     out.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()

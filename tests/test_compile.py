@@ -7,7 +7,7 @@ import torch.nn as nn
 from helpers import forward_backward, make_qkv
 
 import torch_splash
-from torch_splash import masks
+from torch_splash import _compile, masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
 
 OPS = [
@@ -132,7 +132,7 @@ BUILT_INSIDE = [
 def test_a_structured_mask_built_inside_the_compiled_function(make):
     """Dynamo only passes mask objects built outside the compiled region into the nonstrict_trace
     body; structured masks cross as their source text instead, so building one in forward works."""
-    assert masks.from_source(masks.to_source(make())) == make()
+    assert _compile.from_source(_compile.to_source(make())) == make()
     q, k, v = make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, make()), fullgraph=True)
@@ -169,12 +169,12 @@ def test_a_mask_mod_built_inside_the_compiled_function_is_dynamos_limit():
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name())
 def test_opcheck(op):
     """torch.library.opcheck: schema, fake implementation vs real outputs, autograd registration."""
-    from torch_splash import bridge
+    from torch_splash import _ops as ops
 
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, 56, 32, 32, torch.float32))
     ids = (torch.ones(2, 40, dtype=torch.int32), (torch.arange(56) < 50).int().expand(2, 56).contiguous())
-    plan = bridge._call_index(
-        bridge.jax_core.plan(
+    plan = ops.register_plan(
+        ops.jax_core.plan(
             batch=2,
             num_q_heads=4,
             num_kv_heads=2,

@@ -12,12 +12,12 @@ from torch_splash import BlockSizes, SplashConstraintError, SplashDtypeError
 @pytest.fixture(autouse=True)
 def no_jax_work(monkeypatch):
     """Fail if a bad call reaches the kernel builder: checks must come first."""
-    import torch_splash.bridge as bridge
+    import torch_splash._ops as ops
 
     def refuse(plan):
         raise AssertionError("JAX work started before the error")
 
-    monkeypatch.setattr(bridge.jax_core, "program", refuse)
+    monkeypatch.setattr(ops.jax_core, "program", refuse)
 
 
 def qkv(hq=4, hkv=2, q_len=16, kv_len=16, d=64, dv=64, dtype=torch.float32, batch=2):

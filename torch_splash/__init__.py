@@ -36,7 +36,7 @@ if _os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
 from jax_core import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError
 
 from . import masks
-from .bridge import attention
+from .api import attention
 from .sdpa import route_sdpa, scaled_dot_product_attention
 
 __all__ = [

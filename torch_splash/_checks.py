@@ -20,7 +20,7 @@ _COMPUTED_AS = {torch.float16: torch.float32}
 
 
 @dataclasses.dataclass
-class Call:
+class CheckedCall:
     """A checked call, batched (B, H, L, D) whatever the caller passed."""
 
     q: torch.Tensor
@@ -186,7 +186,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> torch.Tensor | None:
     return sinks
 
 
-def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
+def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> CheckedCall:
     unbatched, platform = _check_tensors(q, k, v)
     if unbatched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -202,7 +202,7 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Call:
         out_dtype, computed = q.dtype, _COMPUTED_AS[q.dtype]
         q, k, v = q.to(computed), k.to(computed), v.to(computed)
         sinks = None if sinks is None else sinks.to(computed)
-    return Call(
+    return CheckedCall(
         q=q,
         k=k,
         v=v,

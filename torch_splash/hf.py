@@ -28,7 +28,7 @@ import jax_core
 from jax_core import SplashConstraintError
 
 from . import masks as _masks
-from .bridge import attention
+from .api import attention
 from .sdpa import masked_attention
 
 NAME = "splash"

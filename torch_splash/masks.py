@@ -196,49 +196,5 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
     )
 
 
-# Every mask type a caller can pass (torch.compile treats them as constants; see bridge.py).
+# Every mask type a caller can pass (torch.compile treats them as constants; see _compile.py).
 TYPES = (*STRUCTURED, DenseMask, MaskMod, Composed)
-
-
-# Structured masks cross into torch.compile's nonstrict_trace region as the text of their
-# constructor calls: Dynamo passes a str whatever built it, but a mask object only if it was built
-# outside the compiled region.
-_STRUCTURED = {cls.__name__: cls for cls in STRUCTURED}
-
-
-def to_source(mask) -> str | None:
-    """A structured mask as constructor calls, e.g. "And(CausalMask(0), LocalMask(3, 0, 0))"; None
-    for anything else (data masks, strings, tensors, lists)."""
-    if type(mask) not in STRUCTURED:
-        return None
-    parts = []
-    for field in dataclasses.fields(mask):
-        value = getattr(mask, field.name)
-        if isinstance(value, tuple):
-            heads = [to_source(m) for m in value]
-            part = None if None in heads else "(" + "".join(f"{h}, " for h in heads) + ")"
-        else:
-            part = to_source(value) if isinstance(value, Mask) else repr(value)
-        if part is None:
-            return None
-        parts.append(part)
-    return f"{type(mask).__name__}({', '.join(parts)})"
-
-
-@functools.lru_cache(maxsize=256)
-def from_source(source: str) -> Mask:
-    """The mask `to_source` wrote: constructor calls of the structured masks on int/None literals."""
-    import ast
-
-    def build(node):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _STRUCTURED:
-            return _STRUCTURED[node.func.id](*(build(a) for a in node.args))
-        if isinstance(node, ast.Tuple):
-            return tuple(build(e) for e in node.elts)
-        if isinstance(node, ast.Constant) and (node.value is None or type(node.value) is int):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -build(node.operand)
-        raise ValueError(f"not a mask source: {ast.dump(node)}")
-
-    return build(ast.parse(source, mode="eval").body)

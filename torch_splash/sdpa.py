@@ -18,7 +18,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from jax_core import SplashConstraintError, SplashDtypeError, SplashError
 
 from . import masks as _masks
-from .bridge import attention
+from .api import attention
 
 
 def _causal_bias_mask(bias: CausalBias, q_len: int, kv_len: int) -> _masks.Mask:

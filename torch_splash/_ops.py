@@ -1,0 +1,166 @@
+"""Splash as torch.library custom ops with autograd: what `attention` runs once a plan_number is checked
+and planned.
+
+Three ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
+logsumexp residual), `infer` (output only, where no gradient is needed) and `backward` (dq, dk,
+dv, d_sinks from the dq/dkv kernels on the forward's residuals). Eager calls run the JAX programs;
+fake (meta) implementations give torch the output shapes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import jax_core
+from jax_core import SplashConstraintError
+
+from . import _sharding, _transport
+
+# Ops take tensors, ints and strings, not objects: a plan_number's plan (and SPMD sharding, if any)
+# reaches them as its number in this registry, and each op looks its program up in jax_core's
+# cache. `transport` is the transport attention() picked for the forward's tensors;
+# `requested_transport` is the caller's request ("" for automatic), decided afresh for the
+# backward's tensors.
+_REGISTERED_PLANS: dict[int, tuple[jax_core.Plan, _sharding.Sharding | None]] = {}  # least recently used first
+_PLAN_NUMBERS: dict[tuple, int] = {}
+MAX_REGISTERED_PLANS = 1024  # plans can hold dense masks: keep the registry bounded, like jax_core's caches
+_NEXT_NUMBER = itertools.count()
+
+
+def register_plan(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None) -> int:
+    """The number the ops know this plan (and sharding) by; the most recently used are kept."""
+    key = (plan, sharding)
+    number = _PLAN_NUMBERS.get(key)
+    if number is not None:
+        _REGISTERED_PLANS[number] = _REGISTERED_PLANS.pop(number)  # now the most recently used
+        return number
+    while len(_REGISTERED_PLANS) >= MAX_REGISTERED_PLANS:
+        oldest = next(iter(_REGISTERED_PLANS))
+        del _PLAN_NUMBERS[_REGISTERED_PLANS.pop(oldest)]
+    number = _PLAN_NUMBERS[key] = next(_NEXT_NUMBER)
+    _REGISTERED_PLANS[number] = key
+    return number
+
+
+def _registered_plan(number: int) -> tuple[jax_core.Plan, _sharding.Sharding | None]:
+    try:
+        return _REGISTERED_PLANS[number]
+    except KeyError:
+        raise RuntimeError(
+            f"torch_splash: attention plan #{number} is no longer registered: more than {MAX_REGISTERED_PLANS} "
+            "other attention configurations were used since it was traced. Call torch._dynamo.reset() to recompile."
+        ) from None
+
+
+def _run(number: int, kernel: str, inputs: list, transport: str, out_roles: tuple) -> list[torch.Tensor]:
+    """The program's `kernel` on `inputs`, (role, tensor) pairs (the tensor None for absent segment
+    ids); roles (_sharding.Sharding.spec) say how each tensor is sharded under SPMD."""
+    plan, sharding = _registered_plan(number)
+    fn = getattr(jax_core.program(plan), kernel)
+    roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
+    if sharding is None:
+        return _transport.run(fn, list(tensors), transport, plan.platform)
+    return sharding.run(fn, tensors, roles, out_roles, plan.platform)
+
+
+def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
+    return [("q", q), ("kv", k), ("kv", v), ("ids", q_ids), ("ids", kv_ids), ("sinks", sinks)]
+
+
+@torch.library.custom_op("torch_splash::forward", mutates_args=())
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    plan_number: int,
+    transport: str,
+    requested_transport: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and logsumexp (the one residual torch does not already hold)."""
+    out, lse = _run(plan_number, "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q", "lse"))
+    return out, lse
+
+
+@forward.register_fake
+def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport, requested_transport):
+    lse_len = _registered_plan(plan_number)[0].q_len_padded
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
+
+
+@torch.library.custom_op("torch_splash::infer", mutates_args=())
+def infer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    plan_number: int,
+    transport: str,
+) -> torch.Tensor:
+    """The forward without residuals, where no gradient is needed."""
+    (out,) = _run(plan_number, "infer", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q",))
+    return out
+
+
+@infer.register_fake
+def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("torch_splash::backward", mutates_args=())
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_out: torch.Tensor,
+    plan_number: int,
+    requested_transport: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
+    forward's residuals."""
+    inputs = _inputs(q, k, v, q_ids, kv_ids, sinks) + [("q", out), ("lse", lse), ("q", d_out)]
+    transport = _transport.choose([t for _, t in inputs if t is not None], requested_transport or None)
+    grads = _run(plan_number, "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
+    dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
+    return dq, dk, dv, d_sinks
+
+
+@backward.register_fake
+def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, plan_number, requested_transport):
+    d_sinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks  # contiguous, as the real ones
+
+
+def _save_residuals(ctx, inputs, output):
+    q, k, v, q_ids, kv_ids, sinks, plan_number, _, requested_transport = inputs
+    ctx.registered = _registered_plan(plan_number)  # the plan itself: its number may be evicted by then
+    ctx.requested_transport = requested_transport
+    ctx.save_for_backward(q, k, v, q_ids, kv_ids, sinks, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _differentiate(ctx, d_out, _):
+    if torch.is_grad_enabled():  # create_graph=True
+        raise SplashConstraintError(
+            "torch_splash.attention supports one backward pass, not double backward "
+            "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
+        )
+    q, k, v, q_ids, kv_ids, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, d_sinks = backward(
+        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, register_plan(*ctx.registered), ctx.requested_transport
+    )
+    return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None, None
+
+
+forward.register_autograd(_differentiate, setup_context=_save_residuals)

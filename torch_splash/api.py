@@ -1,0 +1,135 @@
+"""`torch_splash.attention`: splash attention for torch tensors, with gradients.
+
+A call flows one way: check the arguments (`_checks`), decide the SPMD sharding (`_sharding`) and
+the transport (`_transport`), plan block sizes and padding (`jax_core.plan`), then run the custom
+ops (`_ops`), whose backward returns the gradients to torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import jax_core
+
+from . import _checks, _compile, _ops, _sharding, _transport
+
+
+def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None) -> jax_core.Plan:
+    """The plan of a checked call: at the shapes each device sees when sharded."""
+    batch, q_heads, q_len, head_dim = call.q.shape
+    kv_heads = call.k.shape[1]
+    if sharding is not None:
+        batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
+    return jax_core.plan(
+        batch=batch,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=call.k.shape[2],
+        head_dim=head_dim,
+        head_dim_v=call.v.shape[-1],
+        dtype=_checks.dtype_name(call.q),
+        mask=call.mask,
+        scale=call.scale,
+        soft_cap=call.soft_cap,
+        has_segment_ids=call.segment_ids is not None,
+        block_sizes=block_sizes,
+        platform=platform,
+        has_sinks=call.sinks is not None,
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    scale: float | None = None,
+    segment_ids=None,
+    soft_cap: float | None = None,
+    block_sizes: jax_core.BlockSizes | None = None,
+    transport: str | None = None,
+    partition_spec: tuple | None = None,
+    mesh=None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lkv, D), v (B, Hkv, Lkv, Dv), or the same without B. Hq must be a
+    multiple of Hkv (GQA groups consecutive query heads, like SDPA's enable_gqa; Hkv == 1 uses the
+    MQA kernel). Returns (B, Hq, Lq, Dv) with q's dtype and device (float16 is computed in float32).
+
+    mask: None, "causal" (SDPA's is_causal, top-left aligned) or a `torch_splash.masks` mask.
+    scale: defaults to 1/sqrt(D). soft_cap: tanh capping of the scaled logits (Gemma 2).
+    segment_ids: int (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv)); a query
+    sees only keys with its id. block_sizes: `BlockSizes(...)`; fields left None are planned.
+    transport: "dlpack" or "graph" (torch_xla's lazy graph; torch_xla tensors only); default: the
+    environment variable TORCH_SPLASH_TRANSPORT, else automatic (in-graph on TPU and whenever a
+    torch_xla input is part of a pending lazy graph, DLPack otherwise).
+    partition_spec, mesh: under torch_xla SPMD, how q, k, v are sharded over a mesh (default: the
+    global mesh), e.g. ("data", "model", None, None): batch and heads only; each device runs the
+    kernels on its own shard (see torch_splash/_sharding.py).
+    sinks: (Hq,) attention sinks (gpt-oss): one learned logit per query head that every row also
+    normalises over, as if a key with that logit and a zero value were always visible.
+
+    Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
+    work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
+    """
+    # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
+    # Under compile a structured mask crosses as its source text (see masks.to_source).
+    source = _compile.to_source(mask) if torch.compiler.is_compiling() else None
+    options = dict(
+        mask=mask if source is None else None,
+        mask_source=source,
+        scale=scale,
+        segment_ids=segment_ids,
+        soft_cap=soft_cap,
+        block_sizes=block_sizes,
+        transport=transport,
+        partition_spec=partition_spec,
+        mesh=mesh,
+        sinks=sinks,
+    )
+    return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
+
+
+# Under torch.compile, Dynamo does not trace this body (checks and planning: plain Python on
+# shapes): it runs on fake tensors while the graph is built and leaves only the custom ops in it.
+@torch._dynamo.nonstrict_trace
+def _attention(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    mask_source=None,
+    scale=None,
+    segment_ids=None,
+    soft_cap=None,
+    block_sizes=None,
+    transport=None,
+    partition_spec=None,
+    mesh=None,
+    sinks=None,
+) -> torch.Tensor:
+    if mask_source is not None:
+        mask = _compile.from_source(mask_source)
+    call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
+    sharding = _sharding.check(partition_spec, mesh, call, transport)
+    if sharding is not None:
+        call = sharding.spread_single_kv_head(call)
+    tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
+    transport_for_inputs = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
+    plan = _plan(call, block_sizes, call.platform, sharding)
+    plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding), *(call.segment_ids or (None, None))
+    differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
+        out, _ = _ops.forward(
+            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs, transport or ""
+        )
+    else:  # no autograd graph to build: the cheaper forward, and no residuals
+        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs)
+    if call.out_dtype is not None:
+        out = out.to(call.out_dtype)
+    return out.squeeze(0) if call.unbatched else out
