@@ -24,7 +24,7 @@ from .masks import Immutable, MultiHeadMask
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
 
-# Measured on a 2-core CPU in interpret mode (B=1, H=8, L=2048, D=128, causal; see README):
+# Measured on a 2-core CPU in interpret mode (B=1, H=8, L=2048, D=128, causal; see docs/design.md):
 # forward 0.16 s at 512 blocks vs 0.41 s at 128; forward+backward 0.53 s with the fused dkv kernel
 # at (512, 512) vs 0.88 s for the separate dq kernel at its best and 16 s at 128 blocks.
 # On TPU we keep MaxText's 512 blocks with separate dq and dkv kernels (no dq_unreduced buffer).
@@ -59,11 +59,20 @@ _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 
 @dataclasses.dataclass(unsafe_hash=True)
 class BlockSizes(Immutable):
-    """The JAX kernel's `BlockSizes` fields, each optional: fields left None are planned.
+    """Explicit block sizes for the splash kernels: the JAX kernel's `BlockSizes` fields, each
+    optional; fields left None are planned for the platform.
 
-    A block longer than the padded sequence is clamped to it. A kv block (or compute block) that
-    is not a multiple of 128, a forward block_q not a multiple of 8, or a backward q block not a
-    multiple of 128 is a `SplashConstraintError`.
+    Attributes:
+        block_q, block_kv, block_kv_compute: the forward kernel's blocks.
+        block_q_dkv, block_kv_dkv, block_kv_dkv_compute: the dkv kernel's (dq too when fused).
+        block_q_dq, block_kv_dq: the separate dq kernel's; setting one selects it.
+        use_fused_bwd_kernel: compute dq inside the dkv kernel.
+        q_layout, k_layout, v_layout: "HEAD_DIM_MINOR" or "SEQ_MINOR".
+
+    A block longer than the padded sequence is clamped to it. Refused with SplashConstraintError
+    (when planned, before any JAX work): a kv block or compute block not a multiple of 128, a
+    forward block_q not a multiple of 8, a backward q block not a multiple of 128, and on TPU blocks
+    that do not fit VMEM or tables that do not fit SMEM (docs/tpu.md).
     """
 
     block_q: int | None = None

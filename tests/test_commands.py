@@ -46,3 +46,8 @@ def test_benchmark_docs_match_the_results_files():
     """docs/benchmarks.md is generated from benchmarks/results/*.json; a hand edit or a run whose
     tables were not regenerated fails here."""
     dev("bench-report", "--check")
+
+
+def test_lint():
+    """`./dev.sh lint` (ruff check and ruff format --check), as CI runs it."""
+    dev("lint")

@@ -54,30 +54,43 @@ def attention(
     mesh=None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Splash attention: softmax(scale * q k^T, masked) v, through the JAX Pallas kernels.
+    """Splash attention: softmax(scale * q k^T + mask) v, through the JAX Pallas splash kernels.
 
-    q (B, Hq, Lq, D), k (B, Hkv, Lkv, D), v (B, Hkv, Lkv, Dv), or the same without B. Hq must be a
-    multiple of Hkv (GQA groups consecutive query heads, like SDPA's enable_gqa; Hkv == 1 uses the
-    MQA kernel). Returns (B, Hq, Lq, Dv) with q's dtype and device (float16 is computed in float32).
+    Args:
+        q: (B, Hq, Lq, D), or (Hq, Lq, D) unbatched; float32, bfloat16 or float16 (computed in
+            float32), on the CPU or a torch_xla device.
+        k: (B, Hkv, Lkv, D). Hq must be a multiple of Hkv: query head h uses kv head
+            h // (Hq / Hkv), as SDPA's ``enable_gqa``; Hkv == 1 runs the MQA kernel.
+        v: (B, Hkv, Lkv, Dv).
+        mask: None; "causal" (SDPA's ``is_causal``, top-left aligned when Lq != Lkv); a
+            ``torch_splash.masks`` mask; a bool tensor (Lq, Lkv) or (1 or Hq, Lq, Lkv), True =
+            attend; or a list of one mask per query head.
+        scale: the softmax scale; default 1 / sqrt(D).
+        segment_ids: an integer tensor (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids
+            (B, Lkv)): a query sees only keys with its own id (packed documents).
+        soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (Gemma 2).
+        block_sizes: ``BlockSizes(...)``; fields left None are planned for the platform.
+        transport: "dlpack" or "graph" (torch_xla's lazy graph); default: the environment variable
+            TORCH_SPLASH_TRANSPORT, else in-graph on TPU and whenever a torch_xla input is part of a
+            pending lazy graph, DLPack otherwise.
+        partition_spec: under torch_xla SPMD, the mesh axes q, k, v are sharded over, e.g.
+            ("data", "model", None, None): batch and heads; each device runs the kernels on its shard.
+        mesh: the torch_xla ``Mesh`` of ``partition_spec``; default: the global mesh.
+        sinks: (Hq,) attention sinks (gpt-oss): one logit per query head that every row also
+            normalises over, as if a key with that logit and a zero value were always visible.
 
-    mask: None, "causal" (SDPA's is_causal, top-left aligned) or a `torch_splash.masks` mask.
-    scale: defaults to 1/sqrt(D). soft_cap: tanh capping of the scaled logits (Gemma 2).
-    segment_ids: int (B, L) when Lq == Lkv, or a pair (q_ids (B, Lq), kv_ids (B, Lkv)); a query
-    sees only keys with its id. block_sizes: `BlockSizes(...)`; fields left None are planned.
-    transport: "dlpack" or "graph" (torch_xla's lazy graph; torch_xla tensors only); default: the
-    environment variable TORCH_SPLASH_TRANSPORT, else automatic (in-graph on TPU and whenever a
-    torch_xla input is part of a pending lazy graph, DLPack otherwise).
-    partition_spec, mesh: under torch_xla SPMD, how q, k, v are sharded over a mesh (default: the
-    global mesh), e.g. ("data", "model", None, None): batch and heads only; each device runs the
-    kernels on its own shard (see torch_splash/_sharding.py).
-    sinks: (Hq,) attention sinks (gpt-oss): one learned logit per query head that every row also
-    normalises over, as if a key with that logit and a zero value were always visible.
+    Returns:
+        (B, Hq, Lq, Dv) (or (Hq, Lq, Dv)) in q's dtype, on q's device. A query row that sees no key
+        is 0, with zero gradients. Differentiable in q, k, v and sinks (one backward pass).
 
-    Raises SplashConstraintError (a ValueError) or SplashDtypeError (a TypeError) before any JAX
-    work when an input or option breaks a kernel constraint. Rows with no visible key return 0.
+    Raises:
+        SplashConstraintError: (a ValueError) shapes, lengths, heads, devices, block sizes, masks
+            or options the kernels cannot serve.
+        SplashDtypeError: (a TypeError) arguments of the wrong type, or unsupported dtypes.
+        Both are raised before any JAX work; both are ``torch_splash.SplashError``.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    # Under compile a structured mask crosses as its source text (see masks.to_source).
+    # Under compile a structured mask crosses as its source text (see _compile.to_source).
     source = _compile.to_source(mask) if torch.compiler.is_compiling() else None
     options = dict(
         mask=mask if source is None else None,

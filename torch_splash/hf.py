@@ -282,7 +282,12 @@ def splash_attention_forward(
 
 
 def register(name: str = NAME) -> None:
-    """Register the attention and mask functions under `name` (done for "splash" on import)."""
+    """Register the attention and mask functions with transformers (done for "splash" on import).
+
+    Args:
+        name: the ``attn_implementation`` name; avoid "flash", "sdpa", "flex_attention", "/" and ":",
+            which transformers treats specially.
+    """
     AttentionInterface.register(name, splash_attention_forward)
     AttentionMaskInterface.register(name, splash_mask)
 

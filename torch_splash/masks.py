@@ -55,7 +55,17 @@ __all__ = [
 
 
 def from_tensor(mask: torch.Tensor) -> Mask:
-    """A mask from a bool tensor (Lq, Lkv) or (1 or Hq, Lq, Lkv) (or (1, 1 or Hq, Lq, Lkv)), True = attend."""
+    """A data mask from a bool tensor.
+
+    Args:
+        mask: bool (Lq, Lkv), (1 or Hq, Lq, Lkv) or (1, 1 or Hq, Lq, Lkv); True = attend.
+
+    Returns:
+        A mask for `torch_splash.attention` at exactly that (Lq, Lkv); its partial blocks are stored.
+
+    Raises:
+        SplashConstraintError: not a tensor, not bool, or of another rank.
+    """
     if not isinstance(mask, torch.Tensor):
         raise SplashConstraintError(f"from_tensor takes a bool torch.Tensor, got {type(mask).__name__}.")
     if mask.dtype != torch.bool:
@@ -137,9 +147,19 @@ class Composed(_Deferred):
 
 
 def from_mask_mod(fn) -> MaskMod:
-    """A mask from FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, evaluated on index tensors
-    (broadcast, never a Python loop over positions). One that depends on b is refused: express
-    per-sequence structure with `segment_ids` instead."""
+    """A data mask from FlexAttention's `mask_mod`.
+
+    Args:
+        fn: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, evaluated once per call on broadcast
+            index tensors (never a Python loop over positions).
+
+    Returns:
+        A mask that composes with every other under ``&`` and ``|``, resolved at call time.
+
+    Raises:
+        SplashConstraintError: `fn` is not callable; at call time, it does not return a bool tensor
+            or depends on b (express per-sequence structure with ``segment_ids``).
+    """
     if not callable(fn):
         raise SplashConstraintError(
             f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}."

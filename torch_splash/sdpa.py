@@ -252,9 +252,16 @@ class _RouteSDPA(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def route_sdpa():
-    """Route `torch.nn.functional.scaled_dot_product_attention` calls through splash, unedited models
-    included. A call splash cannot serve (dropout, a float bias, a CUDA tensor, ...) runs torch's own
-    SDPA instead, as if torch_splash were not installed; the first fallback in the block warns once
-    with the reason."""
+    """A context manager that routes `torch.nn.functional.scaled_dot_product_attention` calls through
+    splash, unedited models included.
+
+    Within the block each SDPA call runs `torch_splash.scaled_dot_product_attention`; a call splash
+    cannot serve (dropout, a float bias, a CUDA tensor, ...) runs torch's own SDPA instead, as if
+    torch_splash were not installed, and the first such fallback warns once with the reason. Inputs
+    SDPA itself rejects raise SDPA's RuntimeError.
+
+    Yields:
+        None.
+    """
     with _RouteSDPA():
         yield
