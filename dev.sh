@@ -7,6 +7,7 @@
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
 #   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
+#   ./dev.sh bench-sequence     runs benchmarks/bench_sequence.py (the query sequence sharded: blocks, HBM, time)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
@@ -52,9 +53,10 @@ case "$cmd" in
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
   bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
+  bench-sequence) install_libtpu; exec .venv/bin/python benchmarks/bench_sequence.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | bench-transports |" \
-          "bench-tpu-memory | bench-report | lint | hf-finetune" >&2; exit 2 ;;
+          "bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune" >&2; exit 2 ;;
 esac

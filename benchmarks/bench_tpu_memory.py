@@ -33,8 +33,11 @@ def _libtpu_dir() -> str:
     return os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu"))
 
 
-def step_hlo(length: int, use_splash: bool) -> str:
-    """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph."""
+def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None = None) -> str:
+    """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph.
+    shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
+    have enabled with as many devices): activations along the sequence, attention with the query
+    sequence sharded in `layout`."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -47,10 +50,18 @@ def step_hlo(length: int, use_splash: bool) -> str:
     w_qkv = torch.randn(dim, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16).to(device).requires_grad_()
     w_out = torch.randn(dim, dim, dtype=torch.bfloat16).to(device).requires_grad_()
     x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
+    options = {}
+    if shards > 1:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        mesh = xs.Mesh(np.arange(shards), (shards,), ("seq",))
+        xs.mark_sharding(x, mesh, (None, "seq", None))
+        options = dict(partition_spec=(None, None, "seq", None), mesh=mesh, sequence_layout=layout)
     q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
     q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
     if use_splash:
-        out = torch_splash.attention(q, k, v, "causal")
+        out = torch_splash.attention(q, k, v, "causal", **options)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     loss = (out.transpose(1, 2).reshape(1, length, dim) @ w_out).float().square().mean()
@@ -61,16 +72,18 @@ def step_hlo(length: int, use_splash: bool) -> str:
     return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
 
 
-def measure(length: int, use_splash: bool, generation: str) -> dict:
+def measure(length: int, use_splash: bool, generation: str, shards: int = 1, layout: str | None = None) -> dict:
+    """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
+    names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
     from jax_core import SplashConstraintError, aot
 
     try:
-        text = step_hlo(length, use_splash)
+        text = step_hlo(length, use_splash, shards, layout)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
     proto = aot.hlo_text_to_proto(text)
     try:
-        memory = aot.compile_hlo(proto, generation)
+        memory = aot.compile_hlo(proto, generation, partitions=shards)
         return dict(fits=True, bytes=memory.total, temp=memory.temp)
     except aot.OutOfMemory as oom:
         return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)

@@ -155,6 +155,48 @@ def _tpu_memory(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _sequence(r: dict) -> str:
+    shape = r["shape"]
+    lines = [
+        f"Forward kernel blocks per device, causal, planned for TPU (B={shape['batch']}, "
+        f"{shape['heads']}/{shape['kv_heads']} heads, D={shape['head_dim']}):",
+        "",
+        "| L | devices | layout | blocks per device (min / max) | max / mean |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["blocks"]:
+        blocks = row["blocks"]
+        mean = sum(blocks) / len(blocks)
+        lines.append(
+            f"| {row['L'] // 1024}K | {row['devices']} | {row['layout']} | {min(blocks)} / {max(blocks)} "
+            f"| {max(blocks) / mean:.2f} |"
+        )
+    lines += [
+        "",
+        "HBM per device of the attention-block training step (balanced layout when sharded):",
+        "",
+        "| L | 1 v5e chip (unsharded) | 4 chips (v5e:2x2) | 16 chips (v5e:4x4) |",
+        "|---|---|---|---|",
+    ]
+    cells = {(row["chips"], row["L"]): _gib(row) for row in r["tpu_memory"]}
+    for length in sorted({row["L"] for row in r["tpu_memory"]}):
+        lines.append(
+            f"| {length // 1024}K | " + " | ".join(cells.get((chips, length), "not run") for chips in (1, 4, 16)) + " |"
+        )
+    step = r["cpu_step"]
+    lines += [
+        "",
+        f"Forward + backward on {step['devices']} CPU devices (B={step['batch']}, {step['heads']}/{step['kv_heads']} "
+        f"heads, D={step['head_dim']}, {step['dtype']}, causal, interpret mode):",
+        "",
+        "| L | layout | step time |",
+        "|---|---|---|",
+    ]
+    for row in step["rows"]:
+        lines.append(f"| {row['L']} | {row['layout']} | {row['step_s']:.2f} s |")
+    return "\n".join(lines)
+
+
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them
 SECTIONS = {
     "bridge": (
@@ -193,6 +235,13 @@ SECTIONS = {
         "torch's SDPA, compiled for one chip; where the compiler refuses a step, the figure is the one it "
         "reported. The largest L is searched in multiples of 1024.",
         _tpu_memory,
+    ),
+    "sequence": (
+        "The query sequence sharded over devices: contiguous vs balanced",
+        "Context parallelism: each device attends its own query rows to every key (k and v gathered "
+        "whole). With contiguous shards the last device does almost all the causal work; the balanced "
+        "layout gives each device two mirrored chunks.",
+        _sequence,
     ),
 }
 

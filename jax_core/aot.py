@@ -41,11 +41,12 @@ def environment(libtpu_dir: str, base: dict | None = None) -> dict:
 
 
 @functools.cache
-def devices(generation: str) -> tuple:
-    """The TPU devices of one host of `generation` ("v5e", "v6e", ...), for compiling only."""
+def devices(target: str) -> tuple:
+    """TPU devices for compiling only: one host's chips of a generation ("v5e", "v6e", ...), or
+    every chip of a named topology (e.g. "v5e:4x4", a 16-chip slice of four hosts)."""
     from jax.experimental import topologies
 
-    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices)
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES.get(target, target)).devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,8 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
-    """Compile a serialized HLO module for `partitions` devices of `generation` (SPMD-partitioned
+    """Compile a serialized HLO module for `partitions` devices of `generation`, a generation or a
+    topology name as `devices` takes (SPMD-partitioned
     by its sharding annotations when more than one). Raises OutOfMemory when it does not fit in
     HBM, and the compiler's own error for anything else it refuses."""
     from jax._src.lib import xla_client

@@ -32,7 +32,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _mask_info
 
 from . import masks as _masks
 from . import tables as _tables
@@ -48,12 +50,16 @@ _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 class Program:
     def __init__(self, plan: Plan):
         self.plan = plan
+        # Sequence-sharded plans take their block tables and query positions as inputs, one slice
+        # per shard, since every shard runs this same program: `tables()` gives them.
+        self.sharded = plan.q_shards > 1
+        self._tables = _sharded_tables(plan) if self.sharded else []
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not _has_allowed_pair(plan)
+        self.no_pairs = not (bool(self._tables[2].any()) if self.sharded else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
-        self.kernel = None if self.no_pairs else _build_kernel(plan)
+        self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
@@ -79,15 +85,37 @@ class Program:
         v = self._pad(v, v.ndim - 2, p.kv_len_padded)
         return q, k, v
 
-    def _attend(self, q, k, v, segment_ids, sinks=None):
+    def tables(self) -> list[np.ndarray]:
+        """A sequence-sharded program's extra inputs, each with a leading shard axis: the query
+        positions (S, P), then each kernel's data_next and block_mask (S, q blocks, width)."""
+        return self._tables
+
+    def blocks_per_shard(self) -> list[int]:
+        """For a sequence-sharded program: the forward kernel's blocks each shard computes (its
+        block table's non-empty entries), the measure of how evenly causal work is spread."""
+        return [int(n) for n in (self._tables[2] != 0).reshape(self.plan.q_shards, -1).sum(axis=1)]
+
+    def _kernel_for(self, tables):
+        """The kernel, and the arrays of its block tables the vjp may keep: a sharded program's
+        are this shard's slice of its inputs (leading axis 1), the others' are constants."""
+        if not self.sharded:
+            return self.kernel, []
+        positions, *arrays = tables
+        q_sequence = positions[0]
+        return _structured_kernel(self.plan, _sharded_bound_mask(self.plan), q_sequence, arrays), [q_sequence, *arrays]
+
+    def _attend(self, kernel, q, k, v, segment_ids, sinks=None):
         # vmapped over batch; sinks, closed over, are shared by every batch element
-        return jax.vmap(lambda q, k, v, ids: self.kernel(q, k, v, ids, sinks))(q, k, v, segment_ids)
+        return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, ids, sinks))(q, k, v, segment_ids)
 
     def _split(self, args):
-        """(segment ids, sinks) from the arguments after q, k, v."""
+        """(segment ids, sinks, tables) from the arguments after q, k, v."""
+        args = list(args)
+        tables = args[len(args) - len(self._tables) :] if self._tables else []
+        args = args[: len(args) - len(self._tables)]
         if self.plan.has_sinks:
-            return args[:-1], args[-1]
-        return args, None
+            return args[:-1], args[-1], tables
+        return args, None, tables
 
     @staticmethod
     def _residual_sources(q, k, v, sinks, segment_ids) -> list:
@@ -103,15 +131,16 @@ class Program:
             kv=self._pad(kv_ids.astype(jnp.int32), 1, self.plan.kv_len_padded),
         )
 
-    def _vjp(self, q, k, v, ids, sinks):
+    def _vjp(self, q, k, v, ids, sinks, tables):
         """The kernel's output, logsumexp, vjp leaves and tree, and the kernel inputs."""
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
+        kernel, table_arrays = self._kernel_for(tables)
         primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-        out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(q, k, v, segment_ids, *s), *primals)
+        out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(kernel, q, k, v, segment_ids, *s), *primals)
         leaves, tree = jax.tree.flatten(vjp)
         (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
-        return out, lse, leaves, tree, self._residual_sources(q, k, v, sinks, segment_ids)
+        return out, lse, leaves, tree, self._residual_sources(q, k, v, sinks, segment_ids) + table_arrays
 
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
@@ -151,17 +180,18 @@ class Program:
         TRACES["infer"] += 1
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
-        ids, sinks = self._split(rest)
+        ids, sinks, tables = self._split(rest)
         if self.rows_may_be_empty:
-            out, lse, *_ = self._vjp(q, k, v, ids, sinks)
+            out, lse, *_ = self._vjp(q, k, v, ids, sinks, tables)
             return self._finish(out, lse)
-        return self._attend(*self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
+        kernel, _ = self._kernel_for(tables)
+        return self._attend(kernel, *self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
 
     def _backward(self, q, k, v, *rest):
         TRACES["backward"] += 1
         p = self.plan
         *args, out, lse, d_out = rest
-        ids, sinks = self._split(args)
+        ids, sinks, tables = self._split(args)
         if self.no_pairs:
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
@@ -172,7 +202,7 @@ class Program:
             jax.eval_shape(self._forward, *structs)
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
-        inputs = self._residual_sources(q, k, v, sinks, segment_ids)
+        inputs = self._residual_sources(q, k, v, sinks, segment_ids) + self._kernel_for(tables)[1]
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         if self.rows_may_be_empty:
@@ -240,29 +270,55 @@ def _has_allowed_pair(plan: Plan) -> bool:
     return False
 
 
-def _structured_kernel(plan: Plan, bound_mask) -> _splash.SplashAttentionKernel:
-    """The kernel `make_splash_mha/mqa` would build, with block tables from `jax_core.tables`."""
+def _kernel_tables(plan: Plan):
+    """(block_shape, is_dkv, shrink_grid) of each kernel's tables, in the order the kernel takes
+    them: forward, dq (None when fused into dkv), dkv."""
+    b = _jax_block_sizes(plan)
+    fused = b.use_fused_bwd_kernel
+    return [
+        ((b.block_q, b.block_kv), False, True),
+        None if fused else ((b.block_q_dq, b.block_kv_dq), False, True),
+        ((b.block_q_dkv, b.block_kv_dkv), True, not fused),
+    ]
+
+
+def _sharded_bound_mask(plan: Plan) -> _masks.BoundMask:
+    return _masks.BoundMask(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+
+
+def _sharded_tables(plan: Plan) -> list[np.ndarray]:
+    positions = plan.shard_positions()
+    arrays = [positions]
+    for layout in _kernel_tables(plan):
+        if layout is not None:
+            info = _tables.sharded_mask_info(plan.mask, positions, plan.kv_len_padded, plan.kv_len, *layout)
+            arrays += [info.data_next, info.block_mask]
+    return arrays
+
+
+def _structured_kernel(plan: Plan, bound_mask, q_sequence=None, arrays=None) -> _splash.SplashAttentionKernel:
+    """The kernel `make_splash_mha/mqa` would build, with block tables from `jax_core.tables`: as
+    constants, or, for one shard of a sequence-sharded plan, from `arrays` (data_next and
+    block_mask per kernel) and that shard's query positions `q_sequence`."""
     block_sizes = _jax_block_sizes(plan)
     mask_function = getattr(bound_mask, "mask_function", None)
-    fused = block_sizes.use_fused_bwd_kernel
+    given = iter(arrays or ())
 
-    def info(block_shape, is_dkv, shrink_grid):
+    def info(layout):
+        if layout is None:
+            return None
+        if arrays is not None:
+            return _mask_info.MaskInfo(next(given), None, next(given), None, q_sequence)
         numpy_info = _tables.mask_info(
-            plan.mask,
-            plan.q_len_padded,
-            plan.kv_len_padded,
-            plan.kv_len,
-            block_shape,
-            is_dkv,
-            shrink_grid,
-            mask_function is not None,
+            plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, *layout, mask_function is not None
         )
         return jax.tree.map(jnp.array, numpy_info)
 
+    fwd, dq, dkv = (info(layout) for layout in _kernel_tables(plan))
     return _splash.SplashAttentionKernel(
-        info((block_sizes.block_q, block_sizes.block_kv), False, True),
-        None if fused else info((block_sizes.block_q_dq, block_sizes.block_kv_dq), False, True),
-        info((block_sizes.block_q_dkv, block_sizes.block_kv_dkv), True, not fused),
+        fwd,
+        dq,
+        dkv,
         block_sizes=block_sizes,
         is_mqa=plan.is_mqa,
         save_residuals=False,

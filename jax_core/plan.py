@@ -18,6 +18,8 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
+
 from .errors import SplashConstraintError
 from .masks import Immutable, MultiHeadMask
 
@@ -110,6 +112,28 @@ class Plan:
     kv_len_padded: int
     blocks: tuple  # sorted (field, value) pairs for the JAX BlockSizes
     has_sinks: bool = False  # attention sinks: one learned logit per query head (gpt-oss)
+    # Sequence sharding: q_len is one shard's rows of q_shards; "contiguous" shards hold
+    # consecutive rows, "balanced" ones two mirrored chunks each (shard s: chunks s and 2S-1-s).
+    q_shards: int = 1
+    sequence_layout: str = "contiguous"
+
+    @property
+    def lse_len(self) -> int:
+        """The logsumexp's length along the query axis, all shards together."""
+        return self.q_len_padded * self.q_shards
+
+    def shard_positions(self) -> np.ndarray:
+        """(q_shards, q_len_padded) int32: the global query position of each row of each shard.
+        Padded rows repeat the shard's last position (their outputs are dropped)."""
+        rows = self.q_len
+        if self.sequence_layout == "balanced":
+            chunk = rows // 2
+            starts = [(s * chunk, (2 * self.q_shards - 1 - s) * chunk) for s in range(self.q_shards)]
+            real = np.array([np.r_[a : a + chunk, b : b + chunk] for a, b in starts], np.int32).reshape(-1, rows)
+        else:
+            real = (np.arange(self.q_shards)[:, None] * rows + np.arange(rows)[None, :]).astype(np.int32)
+        pad = np.repeat(real[:, -1:], self.q_len_padded - rows, axis=1)
+        return np.concatenate([real, pad], axis=1)
 
     @property
     def is_mqa(self) -> bool:
@@ -323,8 +347,14 @@ def plan(
     block_sizes: BlockSizes | None = None,
     platform: str = "cpu",
     has_sinks: bool = False,
+    q_shards: int = 1,
+    sequence_layout: str = "contiguous",
 ) -> Plan:
-    """Plan one attention call. Shapes must already be checked by the caller (the torch side)."""
+    """Plan one attention call. Shapes must already be checked by the caller (the torch side).
+
+    With q_shards > 1 the query sequence (q_len, all of it) is split over that many devices, each
+    attending its rows to every key: the plan is one shard's, and the shards' positions
+    (`Plan.shard_positions`) become data of the program, not constants."""
     if block_sizes is None:
         block_sizes = BlockSizes()
     elif not isinstance(block_sizes, BlockSizes):
@@ -333,6 +363,23 @@ def plan(
             "planned), or None to plan them all."
         )
     mask.check(num_q_heads, q_len, kv_len)
+    if sequence_layout not in ("contiguous", "balanced"):
+        raise SplashConstraintError(f"sequence_layout={sequence_layout!r}: expected 'contiguous' or 'balanced'.")
+    if q_shards > 1 or sequence_layout == "balanced":
+        parts = q_shards * (2 if sequence_layout == "balanced" else 1)
+        if q_len % parts:
+            raise SplashConstraintError(
+                f"Lq={q_len} does not split into {q_shards} sequence shards"
+                f"{' of two mirrored chunks each' if sequence_layout == 'balanced' else ''}: Lq must be a multiple of "
+                f"{parts} (pad the sequence, e.g. to {_round_up(q_len, parts)}, or use another shard count)."
+            )
+        if isinstance(mask, MultiHeadMask) or not mask.computable:
+            raise SplashConstraintError(
+                f"a {type(mask).__name__} with the query sequence sharded: sequence sharding serves the structured "
+                "masks shared by all heads (causal, local, chunked, prefix and their & / |), with segment ids. "
+                "Shard batch and heads only for per-head and tensor masks."
+            )
+        q_len //= q_shards
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if isinstance(mask, MultiHeadMask) else 1  # per-head masks: one table per head
@@ -355,4 +402,6 @@ def plan(
         kv_len_padded=kv_pad,
         blocks=blocks,
         has_sinks=has_sinks,
+        q_shards=q_shards,
+        sequence_layout=sequence_layout,
     )

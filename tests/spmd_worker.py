@@ -32,7 +32,22 @@ CASES = {
     "inputs-not-marked": (("data", "model", None, None), 4, 2, "causal", False, False),
     "batch-and-heads-gqa-sinks": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True, True),
     "all-devices-on-batch-sinks": ((("data", "model"), None, None, None), 2, 2, "causal", False, True),
+    # the query sequence sharded: 4 ways, and batch x sequence 2 x 2
+    "seq4-causal": ((None, None, ("data", "model"), None), 4, 2, "causal", False, False),
+    "seq4-causal-balanced": ((None, None, ("data", "model"), None), 4, 2, "causal", False, False),
+    "seq4-chunked-mqa-ids": (
+        (None, None, ("data", "model"), None),
+        4,
+        1,
+        torch_splash.masks.ChunkedCausalMask(24),
+        True,
+        False,
+    ),
+    "batch-seq-window-ids": (("data", None, "model", None), 4, 2, torch_splash.masks.LocalMask(40), True, False),
+    "batch-seq-causal-ids-balanced": (("data", None, "model", None), 4, 2, "causal", True, False),
+    "heads-seq-sinks-balanced": ((None, "data", "model", None), 8, 2, "causal", True, True),
 }
+BALANCED = {"seq4-causal-balanced", "batch-seq-causal-ids-balanced", "heads-seq-sinks-balanced"}
 
 
 RAN = []  # the (plan, sharding) of every kernel run, recorded around _ops._run
@@ -47,7 +62,7 @@ def _recording_run(index, *args):
 _ops._run = _recording_run
 
 
-def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
+def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
     """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
     shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
     import jax
@@ -60,7 +75,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
     call = _checks.check_call(
         *xla_in, mask, None, None if ids is None else ids.to(device), None, None if sinks is None else sinks.to(device)
     )
-    sharding = _sharding.check(spec, mesh, call, None)
+    sharding = _sharding.check(spec, mesh, call, None, layout)
     call = sharding.spread_single_kv_head(call)
     plan = api._plan(call, None, "tpu", sharding)
     program = jax_core.program(plan)
@@ -77,6 +92,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh):
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
     if sinks is not None:
         args += [jax.ShapeDtypeStruct((plan.num_q_heads,), jnp.float32)]
+    args += [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in program.tables()]  # one shard's slice
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
     out, lse = jax.eval_shape(program.forward, *args)
     backward = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
@@ -89,15 +105,24 @@ ERRORS = {
     "batch-does-not-split": (("data", None, None, None), 3, 4, 2, None),
     "kv-heads-do-not-split": ((None, ("data", "model"), None, None), 2, 8, 2, None),
     "dlpack-cannot-carry-shards": (("data", None, None, None), 4, 4, 2, "dlpack"),
+    "sequence-does-not-split": ((None, None, ("data", "model"), None), 2, 4, 2, None, 18),
+    "balanced-chunks-do-not-split": ((None, None, ("data", "model"), None), 2, 4, 2, None, 20, "balanced"),
+    "balanced-without-sequence-shards": (("data", None, None, None), 2, 4, 2, None, 16, "balanced"),
+    "per-head-mask-with-sequence-shards": ((None, None, "model", None), 2, 2, 2, None, 16, None, "per-head"),
 }
 
 
 def errors(mesh, device):
     """The SplashConstraintError message for each bad sharded call (raised before any kernel work)."""
-    for name, (spec, b, hq, hkv, transport) in ERRORS.items():
-        q, k, v = (torch.zeros(b, h, 16, 32, device=device) for h in (hq, hkv, hkv))
+    for name, (spec, b, hq, hkv, transport, *more) in ERRORS.items():
+        length, layout, mask = more + [16, None, None][len(more) :]
+        q, k, v = (torch.zeros(b, h, length, 32, device=device) for h in (hq, hkv, hkv))
+        if mask == "per-head":
+            mask = [torch_splash.masks.CausalMask(), torch_splash.masks.LocalMask(4)]
         try:
-            torch_splash.attention(q, k, v, partition_spec=spec, mesh=mesh, transport=transport)
+            torch_splash.attention(
+                q, k, v, mask, partition_spec=spec, mesh=mesh, transport=transport, sequence_layout=layout
+            )
             message = None
         except torch_splash.SplashConstraintError as err:
             message = str(err)
@@ -111,6 +136,7 @@ def main(names):
     errors(mesh, device)
     for name in names:
         spec, hq, hkv, mask, with_ids, with_sinks = CASES[name]
+        layout = "balanced" if name in BALANCED else None
         g = torch.Generator().manual_seed(0)
         b, length, d = 4, 200, 32
         cpu = [torch.randn(b, h, length, d, generator=g) for h in (hq, hkv, hkv)]
@@ -137,6 +163,7 @@ def main(names):
             sinks=xla_sinks,
             partition_spec=spec,
             mesh=mesh,
+            sequence_layout=layout,
         )
         (out * cotangent.to(device)).sum().backward()
         torch_xla.sync()
@@ -144,7 +171,7 @@ def main(names):
         assert len(local) == 1, local
         local = local.pop()
         RAN.clear()
-        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh)
+        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout)
         if sinks is not None:
             xla_in, ref_in = xla_in + [xla_sinks], ref_in + [ref_sinks]
         print(
@@ -158,7 +185,7 @@ def main(names):
                         for x, r in zip(xla_in, ref_in)
                     ],
                     "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
-                    "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads],
+                    "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads, local.q_len],
                     "tpu_custom_calls": tpu_calls,
                 }
             ),

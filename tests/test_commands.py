@@ -33,6 +33,7 @@ def test_demo():
         ("bench-hf", "hf_quick.json", "rows"),
         ("bench-transports", "transports_quick.json", "graph"),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
+        ("bench-sequence", "sequence_quick.json", "blocks"),
     ],
 )
 def test_benchmark_quick_mode(command, result, key):
@@ -51,3 +52,22 @@ def test_benchmark_docs_match_the_results_files():
 def test_lint():
     """`./dev.sh lint` (ruff check and ruff format --check), as CI runs it."""
     dev("lint")
+
+
+def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
+    """From bench-sequence --quick (run above; run it if missing): the balanced layout gives every
+    device the same causal blocks, the same total as contiguous shards; the TPU compiler's HBM per
+    chip for the step sharded over 4 chips is below the unsharded step's on one."""
+    path = RESULTS / "sequence_quick.json"
+    if not path.exists():
+        dev("bench-sequence", "--quick")
+    result = json.loads(path.read_text())
+    by = {(r["L"], r["devices"], r["layout"]): r["blocks"] for r in result["blocks"]}
+    for (length, devices, layout), blocks in by.items():
+        if layout == "balanced":
+            contiguous = by[(length, devices, "contiguous")]
+            assert len(set(blocks)) == 1 and sum(blocks) == sum(contiguous), (blocks, contiguous)
+            assert max(contiguous) > 1.5 * blocks[0]  # the last contiguous shard's causal load
+    memory = {(r["chips"], r["L"]): r for r in result["tpu_memory"]}
+    one, four = memory[(1, 8192)], memory[(4, 8192)]
+    assert one["fits"] and four["fits"] and four["bytes"] < one["bytes"], (one, four)

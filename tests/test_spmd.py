@@ -1,6 +1,7 @@
 """torch_xla SPMD on 4 CPU devices (tests/spmd_worker.py in its own process): attention over q/k/v
-sharded on batch and heads, shard-local, against the unsharded call; the shard-local programs
-lowered for TPU; and the errors for what cannot be sharded."""
+sharded on batch, heads and the query sequence (contiguous and balanced), shard-local, against the
+unsharded call; the shard-local programs lowered for TPU; and the errors for what cannot be
+sharded."""
 
 import json
 import os
@@ -16,21 +17,32 @@ import torch_splash
 WORKER = pathlib.Path(__file__).with_name("spmd_worker.py")
 # name: (output sharding, local (batch, Hq, Hkv) each device runs) on a (2, 2) mesh ("data", "model"), B=4
 EXPECTED = {
-    "batch": ("{devices=[2,1,1,1,2]0,1,2,3 last_tile_dim_replicate}", [2, 4, 2]),
-    "heads-gqa": ("{devices=[1,2,1,1,2]0,2,1,3 last_tile_dim_replicate}", [4, 2, 1]),
-    "batch-and-heads-gqa": ("{devices=[2,2,1,1]0,1,2,3}", [2, 4, 1]),
-    "batch-and-heads-mqa": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1]),
-    "all-devices-on-batch": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2]),
-    "inputs-not-marked": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1]),
+    "batch": ("{devices=[2,1,1,1,2]0,1,2,3 last_tile_dim_replicate}", [2, 4, 2, 200]),
+    "heads-gqa": ("{devices=[1,2,1,1,2]0,2,1,3 last_tile_dim_replicate}", [4, 2, 1, 200]),
+    "batch-and-heads-gqa": ("{devices=[2,2,1,1]0,1,2,3}", [2, 4, 1, 200]),
+    "batch-and-heads-mqa": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1, 200]),
+    "all-devices-on-batch": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2, 200]),
+    "inputs-not-marked": ("{devices=[2,2,1,1]0,1,2,3}", [2, 2, 1, 200]),
     # with sinks (one logit per query head), whose gradient sums over the batch shards
-    "batch-and-heads-gqa-sinks": ("{devices=[2,2,1,1]0,1,2,3}", [2, 4, 1]),
-    "all-devices-on-batch-sinks": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2]),
+    "batch-and-heads-gqa-sinks": ("{devices=[2,2,1,1]0,1,2,3}", [2, 4, 1, 200]),
+    "all-devices-on-batch-sinks": ("{devices=[4,1,1,1]0,1,2,3}", [1, 2, 2, 200]),
+    # the query sequence sharded (L=200): each device attends its rows to every key
+    "seq4-causal": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "seq4-causal-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "seq4-chunked-mqa-ids": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 1, 50]),
+    "batch-seq-window-ids": ("{devices=[2,1,2,1]0,1,2,3}", [2, 4, 2, 100]),
+    "batch-seq-causal-ids-balanced": ("{devices=[2,1,2,1]0,1,2,3}", [2, 4, 2, 100]),
+    "heads-seq-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 4, 1, 100]),
 }
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
     "batch-does-not-split": "batch size 3 does not split over 2 batch shards",
     "kv-heads-do-not-split": "2 kv heads do not split over 4 head shards",
     "dlpack-cannot-carry-shards": "transport='dlpack' cannot carry sharded tensors",
+    "sequence-does-not-split": "Lq=18 does not split into 4 sequence shards: Lq must be a multiple of 4",
+    "balanced-chunks-do-not-split": "Lq=20 does not split into 4 sequence shards of two mirrored chunks each",
+    "balanced-without-sequence-shards": "which does not shard the query sequence",
+    "per-head-mask-with-sequence-shards": "a MultiHeadMask with the query sequence sharded",
 }
 
 
@@ -50,7 +62,7 @@ def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
     # f32, the same kernels on the same numbers: equal up to the order of the MQA and sinks
     # gradient sums (grads: max error relative to max(1, largest reference gradient)).
     assert result["out"] <= 1e-5 and max(result["grads"]) <= 1e-5, result
-    assert len(result["grads"]) == (4 if case.endswith("sinks") else 3)
+    assert len(result["grads"]) == (4 if "sinks" in case else 3)
     assert result["out_sharding"] == out_sharding  # the output stays sharded like q
     assert result["local_plan"] == local  # each device's kernels ran at its shard's shapes
 
@@ -70,7 +82,7 @@ def test_what_cannot_be_sharded_is_a_clear_error(worker_results, name):
 @pytest.mark.parametrize(
     "spec,match",
     [
-        (("data", None, "seq", None), "shards the sequence or head_dim"),
+        (("data", None, None, "x"), "shards head_dim"),
         (("data", None, None), "one entry per dimension"),
         (("data", None, None, None), "torch_xla SPMD tensors; q is on cpu"),
     ],

@@ -9,6 +9,7 @@ fake (meta) implementations give torch the output shapes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -58,15 +59,25 @@ def _run(number: int, kernel: str, inputs: list, transport: str, out_roles: tupl
     """The program's `kernel` on `inputs`, (role, tensor) pairs (the tensor None for absent segment
     ids); roles (_sharding.Sharding.spec) say how each tensor is sharded under SPMD."""
     plan, sharding = _registered_plan(number)
-    fn = getattr(jax_core.program(plan), kernel)
+    program = jax_core.program(plan)
+    fn = getattr(program, kernel)
+    if program.sharded:  # every shard's block tables and query positions, split along the sequence
+        split = len(inputs) - 3 if kernel == "backward" else len(inputs)  # before out, lse, d_out
+        tables = [("tables", t) for t in _table_tensors(plan, inputs[0][1].device)]
+        inputs = inputs[:split] + tables + inputs[split:]
     roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
     if sharding is None:
         return _transport.run(fn, list(tensors), transport, plan.platform)
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 
+@functools.lru_cache(maxsize=64)
+def _table_tensors(plan: jax_core.Plan, device: torch.device) -> list[torch.Tensor]:
+    return [torch.from_numpy(a).to(device) for a in jax_core.program(plan).tables()]
+
+
 def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
-    return [("q", q), ("kv", k), ("kv", v), ("ids", q_ids), ("ids", kv_ids), ("sinks", sinks)]
+    return [("q", q), ("kv", k), ("kv", v), ("q_ids", q_ids), ("kv_ids", kv_ids), ("sinks", sinks)]
 
 
 @torch.library.custom_op("torch_splash::forward", mutates_args=())
@@ -88,7 +99,7 @@ def forward(
 
 @forward.register_fake
 def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport, requested_transport):
-    lse_len = _registered_plan(plan_number)[0].q_len_padded
+    lse_len = _registered_plan(plan_number)[0].lse_len
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
 

@@ -1,4 +1,4 @@
-"""torch_xla SPMD: splash attention shard-local, over batch and heads.
+"""torch_xla SPMD: splash attention shard-local, over batch, heads and the query sequence.
 
 A Mosaic kernel cannot be partitioned by XLA, so the call runs in a manual-sharding region
 (torch_xla's `enable_manual_sharding` / `disable_manual_sharding`, as its own flash attention
@@ -6,11 +6,17 @@ does): each device runs the single-device JAX program on its shard, traced at th
 No JAX `shard_map` and no JAX mesh are involved, so JAX's device numbering never has to agree
 with torch_xla's.
 
-What may be sharded: batch (axis 0) and heads (axis 1). Not the sequence: a query needs every key
-of its row on its own device (the kv sequence may not be split), and the splash masks are laid
-out over the whole query sequence; not head_dim, which the kernel contracts over. With GQA the
-query and kv heads split by the same factor, which keeps each device's query heads with their kv
-heads; a single kv head (MQA) is copied to each head shard.
+What may be sharded: batch (axis 0), heads (axis 1) and the query sequence (axis 2); not
+head_dim, which the kernel contracts over. With GQA the query and kv heads split by the same
+factor, which keeps each device's query heads with their kv heads; a single kv head (MQA) is copied
+to each head shard. With the query sequence sharded, each device attends its own query rows to
+every key: k, v and the kv segment ids reach every device of the sequence axis whole (XLA gathers
+them), q, the output, the logsumexp and dq stay sharded, and each device's dk, dv (and d_sinks)
+are partial sums that leave the manual region along an axis of their own and are summed outside
+it. The block tables and query positions of every shard are inputs sharded along the sequence
+axis, so that one program serves every shard. The "balanced" layout gives each device two mirrored
+chunks of the sequence (shard s: chunks s and 2S-1-s of 2S), so that causal work is even; it is
+applied to q and the q segment ids here and undone on the output.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ class Sharding:
     mesh: object  # torch_xla.distributed.spmd.Mesh (compared by identity)
     batch: object  # mesh axis name(s) for dim 0, or None
     heads: object  # mesh axis name(s) for dim 1, or None
+    seq: object = None  # mesh axis name(s) for dim 2 of q, or None
+    layout: str = "contiguous"  # of the query sequence over its shards: "contiguous" or "balanced"
+
+    @property
+    def q_shards(self) -> int:
+        return self.shards(self.seq)
 
     def shards(self, entry) -> int:
         names = list(self.mesh.axis_names) if self.mesh.axis_names else []
@@ -60,53 +72,107 @@ class Sharding:
             call, k=call.k.expand(b, h, length, call.k.shape[3]), v=call.v.expand(b, h, length, call.v.shape[3])
         )
 
-    def spec(self, role: str) -> tuple:
-        """Partition spec of a tensor by role: q (B, Hq, L, D), kv (B, Hkv, L, D), lse (B, Hq, L),
-        ids (B, L), sinks (Hq,), and d_sinks: each device's sum over its own batch shard, given a
-        leading axis of one so that the batch shards' partial sums line up along it."""
+    def spec(self, role: str, ndim: int = 0) -> tuple:
+        """Partition spec of a tensor by role: q (B, Hq, Lq, D), kv (B, Hkv, Lkv, D), lse (B, Hq,
+        Lq), q_ids (B, Lq), kv_ids (B, Lkv), sinks (Hq,), tables (S, ...) (one slice per sequence
+        shard); and the partial sums, given a leading axis of one on each device so that the
+        shards' sums line up along it: d_sinks (over batch and sequence shards), dkv (over
+        sequence shards)."""
+        if role == "tables":
+            return (self.seq,) + (None,) * (ndim - 1)
         return {
-            "q": (self.batch, self.heads, None, None),
+            "q": (self.batch, self.heads, self.seq, None),
             "kv": (self.batch, self.heads, None, None),
-            "lse": (self.batch, self.heads, None),
-            "ids": (self.batch, None),
+            "lse": (self.batch, self.heads, self.seq),
+            "q_ids": (self.batch, self.seq),
+            "kv_ids": (self.batch, None),
             "sinks": (self.heads,),
-            "d_sinks": (self.batch, self.heads),
+            "d_sinks": (_joined(self.batch, self.seq), self.heads),
+            "dkv": (self.seq, self.batch, self.heads, None, None),
         }[role]
+
+    def to_layout(self, call):
+        """The call with q and its segment ids in the sequence layout the shards hold."""
+        if self.layout != "balanced":
+            return call
+        order = self._balanced_chunks()
+        ids = call.segment_ids and (_chunks_in_order(call.segment_ids[0], 1, order), call.segment_ids[1])
+        return dataclasses.replace(call, q=_chunks_in_order(call.q, 2, order), segment_ids=ids)
+
+    def from_layout(self, out: torch.Tensor) -> torch.Tensor:
+        """The output back in the caller's sequence order, sharded like q."""
+        if self.layout != "balanced":
+            return out
+        import torch_xla.distributed.spmd as xs
+
+        order = self._balanced_chunks()
+        out = _chunks_in_order(out, 2, sorted(range(len(order)), key=order.__getitem__))
+        xs.mark_sharding(out, self.mesh, self.spec("q"))
+        return out
+
+    def _balanced_chunks(self) -> list[int]:
+        """The sequence's 2S chunks in the order the shards hold them: s and 2S-1-s on shard s."""
+        shards = self.q_shards
+        return [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
 
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
         import torch_xla.distributed.spmd as xs
 
-        # Clones: annotating is in place, and the caller's tensors may be sharded otherwise (XLA
-        # then reshards the clone, as shard_map reshards to its in_specs).
+        # Fresh tensors: annotating is in place, and the caller's tensors may be sharded otherwise
+        # (XLA then reshards the copy, as shard_map reshards to its in_specs). Not clone(): the
+        # clone of a materialised tensor keeps its sharding, and annotating it anew fails.
         local = [
-            xs.enable_manual_sharding(t.clone(), self.spec(r), mesh=self.mesh).global_tensor
+            xs.enable_manual_sharding(t + 0, self.spec(r, t.dim()), mesh=self.mesh).global_tensor
             for t, r in zip(tensors, in_roles)
         ]
         outs = _transport.run(fn, local, "graph", platform)
         return [self._global(o, r) for o, r in zip(outs, out_roles)]
 
     def _global(self, local: torch.Tensor, role: str) -> torch.Tensor:
-        """A device's output back as the global tensor. The sinks' gradient sums over the batch:
-        each device's kernel summed its own shard, so the shards' sums leave the manual region
-        along a new batch axis and are added up outside it, where XLA can all-reduce them."""
+        """A device's output back as the global tensor. Gradients that sum over rows other devices
+        hold (the sinks' over the batch and the sequence, dk and dv over the query sequence) are
+        each device's partial sums: they leave the manual region along a new leading axis and are
+        added up outside it, where XLA can all-reduce them."""
         import torch_xla.distributed.spmd as xs
 
-        if role == "d_sinks":
+        if role == "kv" and self.seq is not None:
+            role = "dkv"
+        partial = role in ("d_sinks", "dkv")
+        if partial:
             local = local[None]
         spec = self.spec(role)
         out = xs.disable_manual_sharding(local, spec, self._full_shape(local, spec), mesh=self.mesh).global_tensor
-        return out.sum(0) if role == "d_sinks" else out
+        return out.sum(0) if partial else out
 
     def _full_shape(self, t: torch.Tensor, spec) -> torch.Size:
         return torch.Size(d * self.shards(entry) for d, entry in zip(t.shape, spec))
 
 
-def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
+def _chunks_in_order(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
+    """x's equal chunks along dim, concatenated in `order`: static slices, which XLA's SPMD
+    partitioner moves between devices with collective permutes (a gather would replicate)."""
+    chunks = x.chunk(len(order), dim)
+    return torch.cat([chunks[i] for i in order], dim)
+
+
+def _joined(*entries):
+    axes = sum((_axes(e) for e in entries), ())
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check(partition_spec, mesh, call, transport: str | None, sequence_layout: str | None = None) -> Sharding | None:
     """The Sharding of a checked call, or None; SplashConstraintError for what cannot be sharded."""
+    if sequence_layout not in (None, "contiguous", "balanced"):
+        raise SplashConstraintError(f"sequence_layout={sequence_layout!r}: expected 'contiguous' or 'balanced'.")
     if partition_spec is None:
         if mesh is not None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
+        if sequence_layout == "balanced":
+            raise SplashConstraintError(
+                "sequence_layout='balanced' lays the query sequence out over its shards: pass a partition_spec "
+                "that shards it, e.g. (None, None, 'seq', None)."
+            )
         return None
     spec = tuple(tuple(e) if isinstance(e, list) else e for e in partition_spec)  # hashable
     if call.unbatched or len(spec) != 4:
@@ -114,11 +180,10 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
             f"partition_spec={partition_spec!r}: give one entry per dimension of batched 4-D q, k, v "
             "(batch, heads, seq_len, head_dim)."
         )
-    if spec[2] is not None or spec[3] is not None:
+    if spec[3] is not None:
         raise SplashConstraintError(
-            f"partition_spec={partition_spec!r} shards the sequence or head_dim: splash attention shards batch "
-            "and heads only (every query needs all keys of its row on its device). "
-            "Use (batch_axes, head_axes, None, None)."
+            f"partition_spec={partition_spec!r} shards head_dim, which the kernels contract over: shard batch, "
+            "heads and the query sequence, e.g. ('data', 'model', 'seq', None)."
         )
     if call.q.device.type != "xla":
         raise SplashConstraintError(f"partition_spec= shards torch_xla SPMD tensors; q is on {call.q.device}.")
@@ -135,11 +200,16 @@ def check(partition_spec, mesh, call, transport: str | None) -> Sharding | None:
             "transport='dlpack' cannot carry sharded tensors: leave transport unset (in-graph)."
         )
     names = list(mesh.axis_names) if mesh.axis_names else []
-    for axis in _axes(spec[0]) + _axes(spec[1]):
+    for axis in _axes(spec[0]) + _axes(spec[1]) + _axes(spec[2]):
         if isinstance(axis, str) and axis not in names:
             raise SplashConstraintError(f"partition_spec names mesh axis {axis!r}; the mesh has axes {names}.")
     batch, q_heads, kv_heads = call.q.shape[0], call.q.shape[1], call.k.shape[1]
-    sharding = Sharding(mesh, spec[0], spec[1])
+    sharding = Sharding(mesh, spec[0], spec[1], spec[2], sequence_layout or "contiguous")
+    if sequence_layout == "balanced" and spec[2] is None:
+        raise SplashConstraintError(
+            f"sequence_layout='balanced' with partition_spec={partition_spec!r}, which does not shard the query "
+            "sequence: name a mesh axis for dim 2, or leave sequence_layout unset."
+        )
     b, h = sharding.shards(spec[0]), sharding.shards(spec[1])
     if batch % b:
         raise SplashConstraintError(f"batch size {batch} does not split over {b} batch shards ({spec[0]!r}).")

@@ -18,8 +18,10 @@ def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _shar
     """The plan of a checked call: at the shapes each device sees when sharded."""
     batch, q_heads, q_len, head_dim = call.q.shape
     kv_heads = call.k.shape[1]
+    q_shards, layout = 1, "contiguous"
     if sharding is not None:
         batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
+        q_shards, layout = sharding.q_shards, sharding.layout
     return jax_core.plan(
         batch=batch,
         num_q_heads=q_heads,
@@ -36,6 +38,8 @@ def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _shar
         block_sizes=block_sizes,
         platform=platform,
         has_sinks=call.sinks is not None,
+        q_shards=q_shards,
+        sequence_layout=layout,
     )
 
 
@@ -53,6 +57,7 @@ def attention(
     partition_spec: tuple | None = None,
     mesh=None,
     sinks: torch.Tensor | None = None,
+    sequence_layout: str | None = None,
 ) -> torch.Tensor:
     """Splash attention: softmax(scale * q k^T + mask) v, through the JAX Pallas splash kernels.
 
@@ -74,8 +79,12 @@ def attention(
             TORCH_SPLASH_TRANSPORT, else in-graph on TPU and whenever a torch_xla input is part of a
             pending lazy graph, DLPack otherwise.
         partition_spec: under torch_xla SPMD, the mesh axes q, k, v are sharded over, e.g.
-            ("data", "model", None, None): batch and heads; each device runs the kernels on its shard.
+            ("data", "model", "seq", None): batch, heads and the query sequence (k and v are gathered
+            whole); each device runs the kernels on its shard.
         mesh: the torch_xla ``Mesh`` of ``partition_spec``; default: the global mesh.
+        sequence_layout: with the query sequence sharded, "contiguous" (default: each device holds
+            consecutive rows) or "balanced" (each device holds two mirrored chunks, so that causal
+            work is even); applied and undone here, the caller's tensors stay in order.
         sinks: (Hq,) attention sinks (gpt-oss): one logit per query head that every row also
             normalises over, as if a key with that logit and a zero value were always visible.
 
@@ -103,6 +112,7 @@ def attention(
         partition_spec=partition_spec,
         mesh=mesh,
         sinks=sinks,
+        sequence_layout=sequence_layout,
     )
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
@@ -125,16 +135,19 @@ def _attention(
     partition_spec=None,
     mesh=None,
     sinks=None,
+    sequence_layout=None,
 ) -> torch.Tensor:
     if mask_source is not None:
         mask = _compile.from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
-    sharding = _sharding.check(partition_spec, mesh, call, transport)
+    sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout)
     if sharding is not None:
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     transport_for_inputs = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
     plan = _plan(call, block_sizes, call.platform, sharding)
+    if sharding is not None:
+        call = sharding.to_layout(call)  # after planning, which checks that the layout divides Lq
     plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
@@ -143,6 +156,8 @@ def _attention(
         )
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs)
+    if sharding is not None:
+        out = sharding.from_layout(out)
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
     return out.squeeze(0) if call.unbatched else out
