@@ -12,7 +12,7 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import BlockSizes, Plan, lane_padded, plan
+from .plan import BlockSizes, Plan, balanced_chunk_order, lane_padded, plan
 
 __all__ = [
     "BlockSizes",
@@ -30,6 +30,7 @@ __all__ = [
     "SplashDtypeError",
     "SplashError",
     "TRACES",
+    "balanced_chunk_order",
     "lane_padded",
     "plan",
     "program",

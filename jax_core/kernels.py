@@ -56,7 +56,7 @@ class Program:
         self._tables = _sharded_tables(plan) if self.sharded else []
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not (bool(self._tables[2].any()) if self.sharded else _has_allowed_pair(plan))
+        self.no_pairs = not (self._forward_block_masks().any() if self.sharded else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
@@ -90,10 +90,14 @@ class Program:
         positions (S, P), then each kernel's data_next and block_mask (S, q blocks, width)."""
         return self._tables
 
+    def _forward_block_masks(self) -> np.ndarray:
+        return self._tables[2]  # after the positions and the forward kernel's data_next
+
     def blocks_per_shard(self) -> list[int]:
         """For a sequence-sharded program: the forward kernel's blocks each shard computes (its
         block table's non-empty entries), the measure of how evenly causal work is spread."""
-        return [int(n) for n in (self._tables[2] != 0).reshape(self.plan.q_shards, -1).sum(axis=1)]
+        masks = self._forward_block_masks()
+        return [int(n) for n in (masks != 0).reshape(self.plan.q_shards, -1).sum(axis=1)]
 
     def _kernel_for(self, tables):
         """The kernel, and the arrays of its block tables the vjp may keep: a sharded program's
@@ -158,18 +162,16 @@ class Program:
         if self.no_pairs:
             return self._nothing_visible(q, v)
         out, lse, leaves, tree, inputs = self._vjp(q, k, v, *self._split(rest))
+
         # Where each residual comes from in the backward: a kernel input, the output, the
         # logsumexp, or a constant block table (concrete, not traced).
-        self._sources = [
-            ("input", next(i for i, x in enumerate(inputs) if x is leaf))
-            if any(x is leaf for x in inputs)
-            else ("out", None)
-            if leaf is out
-            else ("lse", None)
-            if leaf is lse
-            else ("const", leaf)
-            for leaf in leaves
-        ]
+        def source(leaf):
+            for i, x in enumerate(inputs):
+                if x is leaf:
+                    return ("input", i)
+            return ("out", None) if leaf is out else ("lse", None) if leaf is lse else ("const", leaf)
+
+        self._sources = [source(leaf) for leaf in leaves]
         kinds = [kind for kind, _ in self._sources]
         assert kinds.count("out") == kinds.count("lse") == 1, kinds
         assert not any(kind == "const" and isinstance(value, jax.core.Tracer) for kind, value in self._sources), kinds

@@ -128,8 +128,8 @@ class Plan:
         rows = self.q_len
         if self.sequence_layout == "balanced":
             chunk = rows // 2
-            starts = [(s * chunk, (2 * self.q_shards - 1 - s) * chunk) for s in range(self.q_shards)]
-            real = np.array([np.r_[a : a + chunk, b : b + chunk] for a, b in starts], np.int32).reshape(-1, rows)
+            order = np.array(balanced_chunk_order(self.q_shards))
+            real = (order[:, None] * chunk + np.arange(chunk)[None, :]).reshape(self.q_shards, rows).astype(np.int32)
         else:
             real = (np.arange(self.q_shards)[:, None] * rows + np.arange(rows)[None, :]).astype(np.int32)
         pad = np.repeat(real[:, -1:], self.q_len_padded - rows, axis=1)
@@ -141,6 +141,12 @@ class Plan:
 
     def block_sizes(self) -> dict:
         return dict(self.blocks)
+
+
+def balanced_chunk_order(shards: int) -> list[int]:
+    """The balanced sequence layout: the sequence's 2S chunks in the order the S shards hold them,
+    chunks s and 2S-1-s on shard s, so that every shard gets as much causal work."""
+    return [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
 
 
 def _round_up(x: int, m: int) -> int:

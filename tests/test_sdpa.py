@@ -167,6 +167,7 @@ def test_any_batch_layout_sdpa_serves():
         attn_mask=torch.rand(2, 1, 20, 30, generator=g) > 0.3,
     )
     both(*make((2, 2, 20, 8), (1, 2, 30, 8), (1, 2, 30, 8)), is_causal=True)
+    both(*make((2, 20, 8), (3, 2, 30, 8), (3, 2, 30, 8)), is_causal=True)  # unbatched q, batched k and v
 
 
 class TinyAttentionModel(nn.Module):

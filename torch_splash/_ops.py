@@ -1,4 +1,4 @@
-"""Splash as torch.library custom ops with autograd: what `attention` runs once a plan_number is checked
+"""Splash as torch.library custom ops with autograd: what `attention` runs once a call is checked
 and planned.
 
 Three ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
@@ -19,7 +19,7 @@ from jax_core import SplashConstraintError
 
 from . import _sharding, _transport
 
-# Ops take tensors, ints and strings, not objects: a plan_number's plan (and SPMD sharding, if any)
+# Ops take tensors, ints and strings, not objects: a call's plan (and SPMD sharding, if any)
 # reaches them as its number in this registry, and each op looks its program up in jax_core's
 # cache. `transport` is the transport attention() picked for the forward's tensors;
 # `requested_transport` is the caller's request ("" for automatic), decided afresh for the

@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+import jax_core
 from jax_core import SplashConstraintError
 
 from . import _checks, _transport
@@ -111,9 +112,7 @@ class Sharding:
         return out
 
     def _balanced_chunks(self) -> list[int]:
-        """The sequence's 2S chunks in the order the shards hold them: s and 2S-1-s on shard s."""
-        shards = self.q_shards
-        return [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
+        return jax_core.balanced_chunk_order(self.q_shards)
 
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""

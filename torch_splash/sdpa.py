@@ -165,7 +165,7 @@ def scaled_dot_product_attention(
         mask = attn_mask[None] if plain else attn_mask
         return scaled_dot_product_attention(query[None], key[None], value[None], mask, 0.0, is_causal, scale)[0]
     batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-    if query.dim() > 4 or key.dim() > 4 or value.dim() > 4 or key.shape[:-3] != batch or value.shape[:-3] != batch:
+    if any(t.dim() > 4 or t.shape[:-3] != batch for t in (query, key, value)):
         # Any other batch layout: broadcast, flattened to one batch dimension, and back.
         flat = [t.expand(*batch, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
         if attn_mask is not None and not isinstance(attn_mask, CausalBias):
