@@ -43,6 +43,9 @@ def test_kernel_reads_the_callers_buffers(monkeypatch):
         def __init__(self, program):
             self.program = program
 
+        def __getattr__(self, name):  # anything not spied on is the program's own
+            return getattr(self.program, name)
+
         def forward(self, *arrays):
             seen["forward"] = [a.unsafe_buffer_pointer() for a in arrays]
             return self.program.forward(*arrays)
