@@ -12,7 +12,7 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import BlockSizes, Plan, balanced_chunk_order, lane_padded, plan
+from .plan import BlockSizes, Plan, balanced_chunk_order, check_sequence_layout, lane_padded, plan
 
 __all__ = [
     "BlockSizes",
@@ -31,6 +31,7 @@ __all__ = [
     "SplashError",
     "TRACES",
     "balanced_chunk_order",
+    "check_sequence_layout",
     "lane_padded",
     "plan",
     "program",

@@ -143,6 +143,12 @@ class Plan:
         return dict(self.blocks)
 
 
+def check_sequence_layout(layout: str | None) -> None:
+    """SplashConstraintError unless `layout` is a sequence layout (or None, for the default)."""
+    if layout not in (None, "contiguous", "balanced"):
+        raise SplashConstraintError(f"sequence_layout={layout!r}: expected 'contiguous' or 'balanced'.")
+
+
 def balanced_chunk_order(shards: int) -> list[int]:
     """The balanced sequence layout: the sequence's 2S chunks in the order the S shards hold them,
     chunks s and 2S-1-s on shard s, so that every shard gets as much causal work."""
@@ -369,8 +375,7 @@ def plan(
             "planned), or None to plan them all."
         )
     mask.check(num_q_heads, q_len, kv_len)
-    if sequence_layout not in ("contiguous", "balanced"):
-        raise SplashConstraintError(f"sequence_layout={sequence_layout!r}: expected 'contiguous' or 'balanced'.")
+    check_sequence_layout(sequence_layout)
     if q_shards > 1 or sequence_layout == "balanced":
         parts = q_shards * (2 if sequence_layout == "balanced" else 1)
         if q_len % parts:

@@ -34,17 +34,16 @@ def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool, width: 
     """Keep only the non-empty blocks of each q row (each kv column for dkv), padded to the widest
     (or to `width`, when several shards' tables must share one shape)."""
     nonzero = block_mask > 0
+    width = _shrunk_width(block_mask, is_dkv) if width is None else width
     if is_dkv:  # columns, padded at the front, as `_shrink_mask_info_dkv`
         cols, rows = np.nonzero(nonzero.T)
         counts = nonzero.sum(axis=0)
-        width = counts.max() if width is None else width
         rank = np.arange(cols.size) - np.searchsorted(cols, cols)
         slot = width - counts[cols] + rank
         out_shape = (width, block_mask.shape[1])
         index = (slot, cols)
     else:  # rows, padded at the back, as `_shrink_mask_info`
         rows, cols = np.nonzero(nonzero)
-        width = nonzero.sum(axis=1).max() if width is None else width
         rank = np.arange(rows.size) - np.searchsorted(rows, rows)
         out_shape = (block_mask.shape[0], width)
         index = (rows, rank)
@@ -56,6 +55,7 @@ def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool, width: 
 
 
 def _shrunk_width(block_mask: np.ndarray, is_dkv: bool) -> int:
+    """The most non-empty blocks in one q row (one kv column for dkv): the shrunk grid's width."""
     return int((block_mask > 0).sum(axis=0 if is_dkv else 1).max())
 
 

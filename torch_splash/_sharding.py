@@ -162,8 +162,7 @@ def _joined(*entries):
 
 def check(partition_spec, mesh, call, transport: str | None, sequence_layout: str | None = None) -> Sharding | None:
     """The Sharding of a checked call, or None; SplashConstraintError for what cannot be sharded."""
-    if sequence_layout not in (None, "contiguous", "balanced"):
-        raise SplashConstraintError(f"sequence_layout={sequence_layout!r}: expected 'contiguous' or 'balanced'.")
+    jax_core.check_sequence_layout(sequence_layout)
     if partition_spec is None:
         if mesh is not None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
