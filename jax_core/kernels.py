@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import gc
 import os
 import threading
@@ -50,13 +51,20 @@ _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 class Program:
     def __init__(self, plan: Plan):
         self.plan = plan
-        # Sequence-sharded plans take their block tables and query positions as inputs, one slice
-        # per shard, since every shard runs this same program: `tables()` gives them.
-        self.sharded = plan.q_shards > 1
-        self._tables = _sharded_tables(plan) if self.sharded else []
+        # Plans sharded along the query sequence, or over heads with one mask per head, take
+        # their block tables (and query positions) as inputs, one slice per device, since every
+        # device runs this same program: `tables()` gives them, `table_axes()` their sharding.
+        self.sharded = plan.q_shards > 1 or plan.head_shards > 1
+        self._infos = _table_infos(plan) if self.sharded else None
+        self._table_arrays = self._flat_tables() if self.sharded else []
+        # Stored partial blocks are the same on every device: constants, made outside any trace.
+        self._partial_blocks = [
+            None if info is None or info.partial_mask_blocks is None else jnp.asarray(info.partial_mask_blocks)
+            for info in (self._infos[1] if self.sharded else ())
+        ]
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not (self._forward_block_masks().any() if self.sharded else _has_allowed_pair(plan))
+        self.no_pairs = not (self._infos[1][0].block_mask.any() if self.sharded else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
@@ -86,27 +94,54 @@ class Program:
         return q, k, v
 
     def tables(self) -> list[np.ndarray]:
-        """A sequence-sharded program's extra inputs, each with a leading shard axis: the query
-        positions (S, P), then each kernel's data_next and block_mask (S, q blocks, width)."""
-        return self._tables
+        """A sharded program's extra inputs, the tables of every device: the query positions
+        (S, P) of a mask function, then each kernel's data_next, mask_next (when partial blocks
+        are stored) and block_mask (S, H or 1, q blocks, width). S is the query-sequence shards,
+        H all query heads (per-head tables only)."""
+        return self._table_arrays
 
-    def _forward_block_masks(self) -> np.ndarray:
-        return self._tables[2]  # after the positions and the forward kernel's data_next
+    def _flat_tables(self) -> list[np.ndarray]:
+        positions, infos = self._infos
+        return [*([] if positions is None else [positions]), *(t for info in infos if info for t in _per_device(info))]
+
+    def table_axes(self) -> list[tuple[str, ...]]:
+        """What each of `tables()` is split along, axis by axis from the first: ("seq",) or
+        ("seq", "heads"); a device's slice keeps a leading axis of 1 (`device_tables`)."""
+        return [("seq", "heads") if t.ndim == 4 and t.shape[1] > 1 else ("seq",) for t in self.tables()]
+
+    def device_tables(self, seq_shard: int, head_shard: int = 0) -> list[np.ndarray]:
+        """The slice of `tables()` the device holding that sequence shard and head shard takes."""
+        heads = slice(head_shard * self.plan.num_q_heads, (head_shard + 1) * self.plan.num_q_heads)
+        return [
+            t[seq_shard : seq_shard + 1, heads] if "heads" in axes else t[seq_shard : seq_shard + 1]
+            for t, axes in zip(self.tables(), self.table_axes())
+        ]
 
     def blocks_per_shard(self) -> list[int]:
-        """For a sequence-sharded program: the forward kernel's blocks each shard computes (its
-        block table's non-empty entries), the measure of how evenly causal work is spread."""
-        masks = self._forward_block_masks()
+        """For a sequence-sharded program: the forward kernel's blocks each shard computes (the
+        non-empty entries of its block tables, every head's where heads have their own), the
+        measure of how evenly causal work is spread."""
+        masks = self._infos[1][0].block_mask
         return [int(n) for n in (masks != 0).reshape(self.plan.q_shards, -1).sum(axis=1)]
 
     def _kernel_for(self, tables):
         """The kernel, and the arrays of its block tables the vjp may keep: a sharded program's
-        are this shard's slice of its inputs (leading axis 1), the others' are constants."""
+        are this device's slice of its inputs (leading axis 1), the others' are constants."""
         if not self.sharded:
             return self.kernel, []
-        positions, *arrays = tables
-        q_sequence = positions[0]
-        return _structured_kernel(self.plan, _sharded_bound_mask(self.plan), q_sequence, arrays), [q_sequence, *arrays]
+        positions, infos = self._infos
+        given = iter(tables)
+        q_sequence = None if positions is None else next(given)[0]
+        mine, kept = [], [] if q_sequence is None else [q_sequence]
+        for info, partial_blocks in zip(infos, self._partial_blocks):
+            if info is None:
+                mine.append(None)
+                continue
+            data_next, *mask_next, block_mask = (next(given)[0] for _ in _per_device(info))
+            kept += [data_next, *mask_next, block_mask]
+            mine.append(_mask_info.MaskInfo(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence))
+        mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
+        return _kernel(self.plan, mine, mask_function), kept
 
     def _attend(self, kernel, q, k, v, segment_ids, sinks=None):
         # vmapped over batch; sinks, closed over, are shared by every batch element
@@ -115,8 +150,9 @@ class Program:
     def _split(self, args):
         """(segment ids, sinks, tables) from the arguments after q, k, v."""
         args = list(args)
-        tables = args[len(args) - len(self._tables) :] if self._tables else []
-        args = args[: len(args) - len(self._tables)]
+        count = len(self._table_arrays)
+        tables = args[len(args) - count :] if count else []
+        args = args[: len(args) - count]
         if self.plan.has_sinks:
             return args[:-1], args[-1], tables
         return args, None, tables
@@ -241,18 +277,34 @@ def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
 
 
 def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
-    mask = _masks.bind(plan.mask, plan.num_q_heads, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
-    if isinstance(plan.mask, _masks.MultiHeadMask) or not plan.mask.computable:
-        factory = _splash.make_splash_mqa if plan.is_mqa else _splash.make_splash_mha
-        return factory(
-            mask,
-            block_sizes=_jax_block_sizes(plan),
-            attn_logits_soft_cap=plan.soft_cap,
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=plan.platform != "tpu",
+    """The kernel of an unsharded plan, its block tables constants of the program."""
+    shared = _shared_mask(plan)
+    if shared is None:
+        _, infos = _table_infos(plan)
+        constants = [None if info is None else _device_info(info, 0) for info in infos]
+        return _kernel(plan, [None if c is None else jax.tree.map(jnp.asarray, c) for c in constants], None)
+    bound = _masks.bind(shared, 1, plan.q_len_padded, plan.kv_len_padded, plan.kv_len).masks[0]
+    mask_function = getattr(bound, "mask_function", None)
+    infos = [
+        None
+        if layout is None
+        else jax.tree.map(
+            jnp.array,
+            _tables.mask_info(
+                shared, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, *layout, mask_function is not None
+            ),
         )
-    return _structured_kernel(plan, mask.masks[0])
+        for layout in _kernel_tables(plan)
+    ]
+    return _kernel(plan, infos, mask_function)
+
+
+def _shared_mask(plan: Plan) -> _masks.Mask | None:
+    """The structured mask every head shares, which the kernel evaluates from positions; None
+    when heads have masks of their own or the mask is data (the kernel reads stored blocks)."""
+    heads = set(plan.mask.masks) if isinstance(plan.mask, _masks.MultiHeadMask) else {plan.mask}
+    mask = heads.pop() if len(heads) == 1 else None
+    return mask if mask is not None and mask.computable else None
 
 
 def _has_allowed_pair(plan: Plan) -> bool:
@@ -285,43 +337,50 @@ def _kernel_tables(plan: Plan):
 
 
 def _sharded_bound_mask(plan: Plan) -> _masks.BoundMask:
-    return _masks.BoundMask(plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+    return _masks.BoundMask(_shared_mask(plan), plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
 
 
-def _sharded_tables(plan: Plan) -> list[np.ndarray]:
+def _table_infos(plan: Plan) -> tuple[np.ndarray | None, list]:
+    """Every device's block tables: (the query positions (S, P) when the kernel evaluates a shared
+    structured mask from them, else None; the forward, dq and dkv MaskInfos (None for a dq fused
+    into dkv), whose tables have a leading sequence-shard axis and then a head axis)."""
+    shared = _shared_mask(plan)
     positions = plan.shard_positions()
-    arrays = [positions]
-    for layout in _kernel_tables(plan):
-        if layout is not None:
-            info = _tables.sharded_mask_info(plan.mask, positions, plan.kv_len_padded, plan.kv_len, *layout)
-            arrays += [info.data_next, info.block_mask]
-    return arrays
-
-
-def _structured_kernel(plan: Plan, bound_mask, q_sequence=None, arrays=None) -> _splash.SplashAttentionKernel:
-    """The kernel `make_splash_mha/mqa` would build, with block tables from `jax_core.tables`: as
-    constants, or, for one shard of a sequence-sharded plan, from `arrays` (data_next and
-    block_mask per kernel) and that shard's query positions `q_sequence`."""
-    block_sizes = _jax_block_sizes(plan)
-    mask_function = getattr(bound_mask, "mask_function", None)
-    given = iter(arrays or ())
-
-    def info(layout):
-        if layout is None:
-            return None
-        if arrays is not None:
-            return _mask_info.MaskInfo(next(given), None, next(given), None, q_sequence)
-        numpy_info = _tables.mask_info(
-            plan.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, *layout, mask_function is not None
+    if shared is None:
+        heads = plan.mask.masks if isinstance(plan.mask, _masks.MultiHeadMask) else (plan.mask,)
+        rows = np.where(np.arange(plan.q_len_padded) < plan.q_len, positions, -1)  # padding rows: hidden
+        build = functools.partial(
+            _tables.partial_mask_info, heads, rows, plan.q_len * plan.q_shards, head_shards=plan.head_shards
         )
-        return jax.tree.map(jnp.array, numpy_info)
+    else:
+        build = functools.partial(_tables.sharded_mask_info, shared, positions)
+    infos = [
+        None if layout is None else build(plan.kv_len_padded, plan.kv_len, *layout) for layout in _kernel_tables(plan)
+    ]
+    return (positions if shared is not None else None), infos
 
-    fwd, dq, dkv = (info(layout) for layout in _kernel_tables(plan))
+
+def _per_device(info: _mask_info.MaskInfo) -> list[np.ndarray]:
+    """The tables of a MaskInfo that differ from device to device, in the order programs take them."""
+    return [t for t in (info.data_next, info.mask_next, info.block_mask) if t is not None]
+
+
+def _device_info(info: _mask_info.MaskInfo, seq_shard: int) -> _mask_info.MaskInfo:
+    """One sequence shard's MaskInfo, all heads (an unsharded plan's, at seq_shard 0)."""
+    pick = lambda t: None if t is None else t[seq_shard]  # noqa: E731
+    return info._replace(
+        data_next=pick(info.data_next), mask_next=pick(info.mask_next), block_mask=pick(info.block_mask)
+    )
+
+
+def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKernel:
+    """The kernel `make_splash_mha/mqa` would build, from the forward, dq and dkv MaskInfos."""
+    fwd, dq, dkv = infos
     return _splash.SplashAttentionKernel(
         fwd,
         dq,
         dkv,
-        block_sizes=block_sizes,
+        block_sizes=_jax_block_sizes(plan),
         is_mqa=plan.is_mqa,
         save_residuals=False,
         mask_value=_splash.DEFAULT_MASK_VALUE,

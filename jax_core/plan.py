@@ -116,6 +116,9 @@ class Plan:
     # consecutive rows, "balanced" ones two mirrored chunks each (shard s: chunks s and 2S-1-s).
     q_shards: int = 1
     sequence_layout: str = "contiguous"
+    # Heads split over devices, counted only for per-head masks (num_q_heads is one device's
+    # heads, the mask has every device's): each device then takes its heads' block tables as inputs.
+    head_shards: int = 1
 
     @property
     def lse_len(self) -> int:
@@ -361,12 +364,15 @@ def plan(
     has_sinks: bool = False,
     q_shards: int = 1,
     sequence_layout: str = "contiguous",
+    head_shards: int = 1,
 ) -> Plan:
     """Plan one attention call. Shapes must already be checked by the caller (the torch side).
 
     With q_shards > 1 the query sequence (q_len, all of it) is split over that many devices, each
     attending its rows to every key: the plan is one shard's, and the shards' positions
-    (`Plan.shard_positions`) become data of the program, not constants."""
+    (`Plan.shard_positions`) and block tables become data of the program, not constants. With
+    head_shards > 1, num_q_heads and num_kv_heads are one device's heads of that many: a per-head
+    mask then has a mask for every device's heads, and its tables are data too."""
     if block_sizes is None:
         block_sizes = BlockSizes()
     elif not isinstance(block_sizes, BlockSizes):
@@ -374,7 +380,8 @@ def plan(
             f"block_sizes={block_sizes!r}: pass torch_splash.BlockSizes(...) (fields left None are "
             "planned), or None to plan them all."
         )
-    mask.check(num_q_heads, q_len, kv_len)
+    per_head = isinstance(mask, MultiHeadMask)
+    mask.check(num_q_heads * head_shards if per_head else num_q_heads, q_len, kv_len)
     check_sequence_layout(sequence_layout)
     if q_shards > 1 or sequence_layout == "balanced":
         parts = q_shards * (2 if sequence_layout == "balanced" else 1)
@@ -384,16 +391,10 @@ def plan(
                 f"{' of two mirrored chunks each' if sequence_layout == 'balanced' else ''}: Lq must be a multiple of "
                 f"{parts} (pad the sequence, e.g. to {_round_up(q_len, parts)}, or use another shard count)."
             )
-        if isinstance(mask, MultiHeadMask) or not mask.computable:
-            raise SplashConstraintError(
-                f"a {type(mask).__name__} with the query sequence sharded: sequence sharding serves the structured "
-                "masks shared by all heads (causal, local, chunked, prefix and their & / |), with segment ids. "
-                "Shard batch and heads only for per-head and tensor masks."
-            )
         q_len //= q_shards
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
-    table_heads = num_q_heads if isinstance(mask, MultiHeadMask) else 1  # per-head masks: one table per head
+    table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
     q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads)
     return Plan(
         batch=batch,
@@ -415,4 +416,5 @@ def plan(
         has_sinks=has_sinks,
         q_shards=q_shards,
         sequence_layout=sequence_layout,
+        head_shards=head_shards if per_head else 1,
     )

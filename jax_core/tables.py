@@ -1,12 +1,17 @@
-"""Block tables (the kernel's MaskInfo) for structured masks, built from block bounds in NumPy.
+"""Block tables (the kernel's MaskInfo), built in NumPy without walking every block in Python.
 
 JAX builds MaskInfo on the host with Python loops over every block, slicing and evaluating the
 mask block by block: its cost grows with L^2 (seconds at 64K, minutes at 1M). For a structured
 mask we classify all blocks at once from their index bounds (`Mask.blocks`), without evaluating
-the mask element by element, then lay the tables out exactly as `_process_mask` does for one
-mask shared by all heads on one device: `block_mask` (0 empty, 1 partial, 2 full), `data_next`
-(the next non-empty block to fetch, in grid order, wrapping), grid shrinking (fwd/dq drop empty kv
-columns, dkv empty q rows) and downcasting. Time and memory grow with the number of blocks.
+the mask element by element, then lay the tables out exactly as `_process_mask` does: `block_mask`
+(0 empty, 1 partial, 2 full), `data_next` (the next non-empty block to fetch, in grid order,
+wrapping), grid shrinking (fwd/dq drop empty kv columns, dkv empty q rows) and downcasting.
+
+Two kinds of tables. A structured mask shared by all heads is evaluated in the kernel by its mask
+function (`mask_info`, one device; `sharded_mask_info`, every query-sequence shard). Per-head masks
+and masks that are data are read from stored partial blocks (`partial_mask_info`, which evaluates
+only the blocks their bounds call partial, one row of blocks at a time for data). Time and memory
+grow with the number of blocks and of partial blocks.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ def _next_nonzero(nonzero_flat: np.ndarray, coordinate_flat: np.ndarray) -> np.n
     return coordinate_flat[following].astype(np.int32)
 
 
-def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool, width: int | None = None):
+def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool, width: int | None = None, mask_next=None):
     """Keep only the non-empty blocks of each q row (each kv column for dkv), padded to the widest
-    (or to `width`, when several shards' tables must share one shape)."""
+    (or to `width`, when several shards' tables must share one shape). Returns the shrunk
+    block_mask, data_next and mask_next (None when not given)."""
     nonzero = block_mask > 0
     width = _shrunk_width(block_mask, is_dkv) if width is None else width
     if is_dkv:  # columns, padded at the front, as `_shrink_mask_info_dkv`
@@ -47,11 +53,15 @@ def _shrink(block_mask: np.ndarray, data_next: np.ndarray, is_dkv: bool, width: 
         rank = np.arange(rows.size) - np.searchsorted(rows, rows)
         out_shape = (block_mask.shape[0], width)
         index = (rows, rank)
-    shrunk_mask = np.zeros(out_shape, np.int32)
-    shrunk_next = np.zeros(out_shape, np.int32)
-    shrunk_mask[index] = block_mask[rows, cols]
-    shrunk_next[index] = data_next[rows, cols]
-    return shrunk_mask, shrunk_next
+    shrunk = []
+    for table in (block_mask, data_next, mask_next):
+        if table is None:
+            shrunk.append(None)
+            continue
+        out = np.zeros(out_shape, np.int32)
+        out[index] = table[rows, cols]
+        shrunk.append(out)
+    return tuple(shrunk)
 
 
 def _shrunk_width(block_mask: np.ndarray, is_dkv: bool) -> int:
@@ -79,14 +89,25 @@ def block_mask_table(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: 
     return _classify(spec, q0, q0 + block_q - 1, kv_len_padded, kv_len, block_kv)
 
 
+def _next_in_grid(steps: np.ndarray, coordinate: np.ndarray, is_dkv: bool) -> np.ndarray:
+    """For (heads, q blocks, kv blocks) tables: at each grid step, `coordinate` at the first step at
+    or after it, in the kernel's grid order and wrapping, where `steps` is true. The forward and dq
+    grids walk (head, q, kv); the dkv grid walks (kv, head, q)."""
+    heads, nq, nkv = steps.shape
+    coordinate = np.broadcast_to(coordinate, steps.shape)
+    if not is_dkv:
+        return _next_nonzero(steps.reshape(-1), coordinate.reshape(-1)).reshape(heads, nq, nkv)
+    order = (2, 0, 1)
+    flat = _next_nonzero(steps.transpose(order).reshape(-1), coordinate.transpose(order).reshape(-1))
+    return flat.reshape(nkv, heads, nq).transpose(1, 2, 0)
+
+
 def _data_next(block_mask: np.ndarray, is_dkv: bool) -> np.ndarray:
-    nq, nkv = block_mask.shape
-    if is_dkv:  # the dkv grid walks (kv, q) and prefetches q blocks
-        order = block_mask.T.reshape(-1) > 0
-        q_coord = np.broadcast_to(np.arange(nq)[None, :], (nkv, nq)).reshape(-1)
-        return _next_nonzero(order, q_coord).reshape(nkv, nq).T
-    kv_coord = np.broadcast_to(np.arange(nkv)[None, :], (nq, nkv)).reshape(-1)
-    return _next_nonzero(block_mask.reshape(-1) > 0, kv_coord).reshape(nq, nkv)
+    """The block each grid step fetches: its own where non-empty, else the next non-empty one
+    (prefetched ahead of its turn): a kv block index, or a q block index for dkv."""
+    heads, nq, nkv = block_mask.shape
+    coordinate = np.arange(nq)[None, :, None] if is_dkv else np.arange(nkv)[None, None, :]
+    return _next_in_grid(block_mask > 0, coordinate, is_dkv)
 
 
 def _packed(block_mask, data_next, q_sequence) -> _mask_info.MaskInfo:
@@ -113,9 +134,9 @@ def mask_info(
     """The MaskInfo `_process_mask` would build for this mask on every head of one device (NumPy)."""
     block_q, block_kv = block_shape
     block_mask = block_mask_table(spec, q_len_padded, kv_len_padded, kv_len, block_q, block_kv)
-    data_next = _data_next(block_mask, is_dkv)
+    data_next = _data_next(block_mask[None], is_dkv)[0]
     if shrink_grid and block_mask.any():
-        block_mask, data_next = _shrink(block_mask, data_next, is_dkv)
+        block_mask, data_next, _ = _shrink(block_mask, data_next, is_dkv)
     q_sequence = np.arange(q_len_padded, dtype=np.int32) if has_mask_function else None
     return _packed(block_mask[None], data_next[None], q_sequence)
 
@@ -129,7 +150,8 @@ def sharded_mask_info(
     is_dkv: bool,
     shrink_grid: bool,
 ) -> _mask_info.MaskInfo:
-    """One MaskInfo per query-sequence shard, stacked along a leading shard axis.
+    """The tables of every query-sequence shard for a structured mask shared by all heads:
+    data_next and block_mask (S, 1, q blocks, width), one slice per shard along the leading axis.
 
     positions (S, P): the global query position of each row of each shard. Shard s's tables are
     the ones its rows need against every key; shrunk grids are padded to the widest shard's width,
@@ -140,8 +162,131 @@ def sharded_mask_info(
     tables = [
         _classify(spec, r.min(axis=1)[:, None], r.max(axis=1)[:, None], kv_len_padded, kv_len, block_kv) for r in rows
     ]
-    nexts = [_data_next(t, is_dkv) for t in tables]
+    nexts = [_data_next(t[None], is_dkv)[0] for t in tables]
     if shrink_grid and any(t.any() for t in tables):
         width = max(_shrunk_width(t, is_dkv) for t in tables)
-        tables, nexts = zip(*[_shrink(t, n, is_dkv, width) for t, n in zip(tables, nexts)])
-    return _packed(np.stack(tables), np.stack(nexts), positions.astype(np.int32))
+        tables, nexts, _ = zip(*[_shrink(t, n, is_dkv, width) for t, n in zip(tables, nexts)])
+    return _packed(np.stack(tables)[:, None], np.stack(nexts)[:, None], positions.astype(np.int32))
+
+
+def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len: int, dense: dict) -> np.ndarray:
+    """(len(rows), len(cols)) bool: the mask at global query positions `rows` (-1: a padding row,
+    hidden) and keys `cols` (at or past kv_len: padding, hidden). `dense` caches the (Lq, Lkv)
+    arrays of masks that are data."""
+    r, c = rows[:, None], cols[None, :]
+    if spec.computable:
+        allowed = spec.allows(r, c)
+        allowed = np.ones((), bool) if allowed is None else np.asarray(allowed)
+    else:
+        if spec not in dense:
+            dense[spec] = spec.dense(q_len, kv_len)
+        allowed = dense[spec][np.clip(r, 0, q_len - 1), np.clip(c, 0, kv_len - 1)]
+    return np.broadcast_to(allowed, (r.size, c.size)) & (r >= 0) & (c < kv_len)
+
+
+def _head_blocks(spec: Mask, rows: np.ndarray, q_len: int, kv_len_padded: int, kv_len: int, block_kv: int, dense):
+    """One head's block kinds (q blocks, kv blocks) for the q blocks of `rows` (q blocks,
+    block_q), and its partial blocks [(q block, kv block, bool block)] in row-major order. A
+    structured mask is classified from block bounds and only its partial blocks are evaluated; a
+    mask that is data is evaluated one row of blocks at a time."""
+    nq, block_q = rows.shape
+    nkv = kv_len_padded // block_kv
+    real = rows >= 0
+    partial = []
+    if spec.computable:
+        lo = np.where(real, rows, np.iinfo(np.int32).max).min(axis=1)
+        hi = rows.max(axis=1)
+        some = real.any(axis=1)
+        kinds = _classify(
+            spec, np.where(some, lo, 0)[:, None], np.where(some, hi, 0)[:, None], kv_len_padded, kv_len, block_kv
+        )
+        kinds[~some] = 0
+        kinds[(kinds == 2) & ~real.all(axis=1)[:, None]] = 1  # a padding row is hidden
+        for q, c in np.argwhere(kinds == 1):
+            block = _evaluate(spec, rows[q], np.arange(c * block_kv, (c + 1) * block_kv), q_len, kv_len, dense)
+            if not block.any():
+                kinds[q, c] = 0
+            elif block.all():
+                kinds[q, c] = 2
+            else:
+                partial.append((q, c, block))
+        return kinds, partial
+    kinds = np.zeros((nq, nkv), np.int32)
+    for q in range(nq):
+        allowed = _evaluate(spec, rows[q], np.arange(kv_len_padded), q_len, kv_len, dense).reshape(
+            block_q, nkv, block_kv
+        )
+        any_, all_ = allowed.any(axis=(0, 2)), allowed.all(axis=(0, 2))
+        kinds[q] = np.where(all_, 2, np.where(any_, 1, 0))
+        partial += [(q, c, allowed[:, c]) for c in np.flatnonzero(kinds[q] == 1)]
+    return kinds, partial
+
+
+def partial_mask_info(
+    heads: tuple,
+    positions: np.ndarray,
+    q_len: int,
+    kv_len_padded: int,
+    kv_len: int,
+    block_shape: tuple[int, int],
+    is_dkv: bool,
+    shrink_grid: bool,
+    head_shards: int = 1,
+) -> _mask_info.MaskInfo:
+    """The tables of every query-sequence shard for per-head masks and masks that are data, which
+    the kernel reads from stored partial blocks (no mask function).
+
+    heads: one mask per query head, every head of every head shard. positions (S, P): the global
+    query position of each row of each shard, -1 for a padding row. Lays the tables out as JAX's
+    `_process_mask` does with `q_seq_shards=S` and `head_shards`: data_next, mask_next and
+    block_mask (S, H or 1, q blocks, width) (one table for all heads when they share a mask, whose
+    grid then shrinks), each shard's and head shard's "next" steps taken in its own grid order; and
+    partial_mask_blocks (N, block_q, block_kv) ((N, block_kv, block_q) for dkv), the distinct
+    partial blocks of every shard and head, which mask_next indexes. Rows need not be consecutive
+    positions (the balanced layout): each partial block is evaluated at its own rows."""
+    block_q, block_kv = block_shape
+    unique = list(dict.fromkeys(heads))  # numbered in order of first use, as JAX numbers masks
+    shards = positions.shape[0]
+    rows = positions.reshape(shards, -1, block_q)
+    nq, nkv = rows.shape[1], kv_len_padded // block_kv
+    kinds = np.zeros((shards, len(unique), nq, nkv), np.int32)
+    ids = np.zeros_like(kinds)
+    found: dict[bytes, int] = {}
+    blocks, dense = [], {}
+    for u, spec in enumerate(unique):
+        for s in range(shards):
+            kinds[s, u], partial = _head_blocks(spec, rows[s], q_len, kv_len_padded, kv_len, block_kv, dense)
+            for q, c, block in partial:
+                key = np.packbits(block).tobytes()
+                if key not in found:
+                    found[key] = len(blocks)
+                    blocks.append(block)
+                ids[s, u, q, c] = found[key]
+    if len(unique) > 1:  # one table per head
+        index = [unique.index(h) for h in heads]
+        kinds, ids = kinds[:, index], ids[:, index]
+    groups = head_shards if kinds.shape[1] > 1 else 1
+    per_group = kinds.shape[1] // groups
+    data_next, mask_next = np.zeros_like(kinds), np.zeros_like(kinds)
+    for s in range(shards):
+        for g in range(groups):
+            heads_of_group = slice(g * per_group, (g + 1) * per_group)
+            data_next[s, heads_of_group] = _data_next(kinds[s, heads_of_group], is_dkv)
+            mask_next[s, heads_of_group] = _next_in_grid(kinds[s, heads_of_group] == 1, ids[s, heads_of_group], is_dkv)
+    if shrink_grid and kinds.shape[1] == 1 and kinds.any():
+        width = max(_shrunk_width(k[0], is_dkv) for k in kinds)
+        shrunk = [_shrink(k[0], d[0], is_dkv, width, m[0]) for k, d, m in zip(kinds, data_next, mask_next)]
+        kinds, data_next, mask_next = (np.stack(t)[:, None] for t in zip(*shrunk))
+    partial_blocks = None
+    if blocks:
+        partial_blocks = np.stack(blocks).astype(np.bool_)
+        if is_dkv:
+            partial_blocks = np.swapaxes(partial_blocks, -1, -2)
+    small = _mask_info._downcast_to_small_type
+    return _mask_info.MaskInfo(
+        data_next=small(np.ascontiguousarray(data_next)),
+        mask_next=small(np.ascontiguousarray(mask_next)) if blocks else None,
+        block_mask=small(np.ascontiguousarray(kinds)),
+        partial_mask_blocks=partial_blocks,
+        q_sequence=None,
+    )

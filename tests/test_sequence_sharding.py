@@ -1,7 +1,8 @@
-"""The sequence-sharded program, shard by shard on one CPU: each shard's program, given its slice of
-the block tables and query positions, reproduces its rows of the unsharded call's output and dq,
-and the shards' dk, dv and d_sinks sum to the unsharded ones. (tests/test_spmd.py runs the same
-through torch_xla SPMD on 4 devices.)"""
+"""The sharded program, device by device on one CPU: each device's program, given its slice of the
+block tables (and query positions), reproduces its rows and heads of the unsharded call's output
+and dq, and the devices' dk, dv and d_sinks sum to the unsharded ones. Sharded along the query
+sequence for every mask family (per-head masks and masks that are data included), and over heads
+with per-head masks. (tests/test_spmd.py runs the same through torch_xla SPMD on 4 devices.)"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,38 +22,48 @@ MASKS = {
     "window-and-causal": M.CausalMask() & M.LocalMask(64),
     "full": M.FullMask(),
 }
+_RNG = np.random.default_rng(7)
+_HOLES = [_RNG.random((1040, 1040)) < 0.97 for _ in range(3)]  # causal with holes: partial blocks everywhere
+DATA_MASKS = {  # the kernel reads these from stored partial blocks, not a mask function
+    "per-head": M.MultiHeadMask([M.CausalMask(), M.LocalMask(100, 0), M.ChunkedCausalMask(96), M.CausalMask(-40)]),
+    "tensor": M.DenseMask(np.tril(_HOLES[0])),
+    "per-head-tensor-and-structured": M.MultiHeadMask(
+        [M.DenseMask(np.tril(h)) for h in _HOLES[1:]] + [M.CausalMask() & M.DenseMask(_HOLES[0]), M.LocalMask(64, 64)]
+    ),
+}
 
 
-def _plans(mask, length, shards, layout, **options):
+def _plans(mask, length, shards, layout, head_shards=1, **options):
+    """The unsharded plan, and the plan of one device of `shards` sequence shards and
+    `head_shards` head shards (its heads; the mask is every head's)."""
+    kv_heads = options.pop("kv_heads", 2)
     common = dict(
-        batch=2,
-        num_q_heads=4,
-        num_kv_heads=options.pop("kv_heads", 2),
-        kv_len=length,
-        head_dim=32,
-        head_dim_v=32,
-        dtype="float32",
-        mask=mask,
-        scale=0.2,
+        batch=2, kv_len=length, q_len=length, head_dim=32, head_dim_v=32, dtype="float32", mask=mask, scale=0.2
+    )
+    full = jax_core.plan(num_q_heads=4, num_kv_heads=kv_heads, **common, **options)
+    sharded = jax_core.plan(
+        num_q_heads=4 // head_shards,
+        num_kv_heads=max(kv_heads // head_shards, 1),
+        q_shards=shards,
+        sequence_layout=layout,
+        head_shards=head_shards,
+        **common,
         **options,
     )
-    return jax_core.plan(q_len=length, **common), jax_core.plan(
-        q_len=length, q_shards=shards, sequence_layout=layout, **common
-    )
+    return full, sharded
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-@pytest.mark.parametrize("mask", list(MASKS))
-def test_shards_reproduce_the_unsharded_call(mask, layout):
-    length, shards = 1040, 4  # 260 rows per shard: padded per shard, several blocks at 128
-    ids = mask in ("causal", "local")  # packed documents crossing shard boundaries
-    sinks = mask == "chunked"
-    kv_heads = 1 if mask == "prefix-lm" else 2  # MQA
+def _devices_reproduce_the_unsharded_call(
+    mask, length, shards, layout, head_shards=1, kv_heads=2, ids=False, sinks=False
+):
+    """Runs the unsharded program, then each device's (sequence shard s, head shard g) program on
+    its rows, heads and tables, and compares."""
     full, sharded = _plans(
-        MASKS[mask],
+        mask,
         length,
         shards,
         layout,
+        head_shards,
         kv_heads=kv_heads,
         has_segment_ids=ids,
         has_sinks=sinks,
@@ -65,27 +76,75 @@ def test_shards_reproduce_the_unsharded_call(mask, layout):
     )
     doc = jnp.asarray(np.stack([np.arange(length) // 300, np.arange(length) // 170]), jnp.int32)
     extra = [doc, doc] if ids else []
-    sink = [jnp.asarray(rng.standard_normal(4), jnp.float32)] if sinks else []
+    sink = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
     whole = jax_core.program(full)
-    out, lse = whole.forward(q, k, v, *extra, *sink)
-    grads = whole.backward(q, k, v, *extra, *sink, out, lse, d_out)
+    out, lse = whole.forward(q, k, v, *extra, *([] if sink is None else [sink]))
+    grads = whole.backward(q, k, v, *extra, *([] if sink is None else [sink]), out, lse, d_out)
 
     program = jax_core.program(sharded)
+    assert program.sharded
     rows = sharded.shard_positions()[:, : sharded.q_len]
     assert sorted(rows.reshape(-1).tolist()) == list(range(length))  # every row on exactly one shard
-    got_out, got_dq = np.zeros(out.shape, np.float32), np.zeros(q.shape, np.float32)
-    summed = [0.0] * (len(grads) - 1)
+    got = [np.zeros(x.shape, np.float32) for x in (out, q, k, v)]
+    got_d_sinks = np.zeros(4, np.float32)
+    hq, hkv = 4 // head_shards, kv_heads // head_shards
     for s, r in enumerate(rows):
-        tables = [jnp.asarray(a[s : s + 1]) for a in program.tables()]
-        mine = [doc[:, r], doc] if ids else []
-        o, shard_lse = program.forward(q[:, :, r], k, v, *mine, *sink, *tables)
-        g = program.backward(q[:, :, r], k, v, *mine, *sink, *tables, o, shard_lse, d_out[:, :, r])
-        got_out[:, :, r], got_dq[:, :, r] = o, g[0]
-        summed = [a + b for a, b in zip(summed, g[1:])]
-    np.testing.assert_allclose(got_out, out, atol=1e-6)
-    np.testing.assert_allclose(got_dq, grads[0], atol=1e-6)
-    for mine, theirs in zip(summed, grads[1:]):  # dk, dv (and d_sinks): f32 sums in another order
+        for g in range(head_shards):
+            qh, kh = slice(g * hq, (g + 1) * hq), slice(g * hkv, (g + 1) * hkv)
+            tables = [jnp.asarray(a) for a in program.device_tables(s, g)]
+            mine = ([doc[:, r], doc] if ids else []) + ([] if sink is None else [sink[qh]])
+            inputs = (q[:, qh][:, :, r], k[:, kh], v[:, kh])
+            o, shard_lse = program.forward(*inputs, *mine, *tables)
+            dq, dk, dv, *d_sinks = program.backward(*inputs, *mine, *tables, o, shard_lse, d_out[:, qh][:, :, r])
+            got[0][:, qh, r], got[1][:, qh, r] = o, dq
+            got[2][:, kh] += np.asarray(dk)
+            got[3][:, kh] += np.asarray(dv)
+            if d_sinks:
+                got_d_sinks[qh] += np.asarray(d_sinks[0])
+    np.testing.assert_allclose(got[0], out, atol=1e-6)
+    np.testing.assert_allclose(got[1], grads[0], atol=1e-6)
+    summed = got[2:] + ([got_d_sinks] if sinks else [])
+    for mine, theirs in zip(summed, grads[1:], strict=True):  # dk, dv (and d_sinks): f32 sums in another order
         np.testing.assert_allclose(mine, theirs, atol=2e-5, rtol=1e-5)
+    return program
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_shards_reproduce_the_unsharded_call(mask, layout):
+    # 260 rows per shard: padded per shard, several blocks at 128
+    _devices_reproduce_the_unsharded_call(
+        MASKS[mask],
+        1040,
+        4,
+        layout,
+        kv_heads=1 if mask == "prefix-lm" else 2,  # MQA
+        ids=mask in ("causal", "local"),  # packed documents crossing shard boundaries
+        sinks=mask == "chunked",
+    )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+@pytest.mark.parametrize("mask", list(DATA_MASKS))
+def test_shards_reproduce_the_unsharded_call_with_stored_mask_blocks(mask, layout):
+    program = _devices_reproduce_the_unsharded_call(
+        DATA_MASKS[mask],
+        1040,
+        4,
+        layout,
+        ids=mask == "tensor",
+        sinks=mask == "per-head",
+        kv_heads=1 if layout == "balanced" else 2,
+    )
+    assert not any(a.dtype == np.int32 and a.ndim == 2 for a in program.tables())  # no positions: stored blocks
+
+
+@pytest.mark.parametrize("sequence_shards,layout", [(1, "contiguous"), (2, "balanced")])
+def test_head_shards_with_per_head_masks_take_their_heads_tables(sequence_shards, layout):
+    program = _devices_reproduce_the_unsharded_call(
+        DATA_MASKS["per-head-tensor-and-structured"], 1040, sequence_shards, layout, head_shards=2, ids=True, sinks=True
+    )
+    assert [axes for axes in program.table_axes()] == [("seq", "heads")] * len(program.tables())
 
 
 def test_balanced_layout_evens_causal_blocks():
@@ -107,9 +166,3 @@ def test_balanced_layout_evens_causal_blocks():
 def test_sequence_shards_that_do_not_divide_are_refused(length, shards, layout, match):
     with pytest.raises(SplashConstraintError, match=match):
         _plans(M.CausalMask(), length, shards, layout)
-
-
-def test_per_head_and_tensor_masks_are_refused_with_sequence_shards():
-    for mask in (M.MultiHeadMask([M.CausalMask()] * 4), M.DenseMask(np.tril(np.ones((64, 64), bool)))):
-        with pytest.raises(SplashConstraintError, match="with the query sequence sharded"):
-            _plans(mask, 64, 2, "contiguous")
