@@ -46,8 +46,36 @@ CASES = {
     "batch-seq-window-ids": (("data", None, "model", None), 4, 2, torch_splash.masks.LocalMask(40), True, False),
     "batch-seq-causal-ids-balanced": (("data", None, "model", None), 4, 2, "causal", True, False),
     "heads-seq-sinks-balanced": ((None, "data", "model", None), 8, 2, "causal", True, True),
+    # masks the kernel reads from stored partial blocks: per-head masks and tensor masks, their
+    # block tables split along the sequence and, per head, over the head shards
+    "seq4-per-head-ids": ((None, None, ("data", "model"), None), 4, 2, "per-head", True, False),
+    "seq4-tensor-balanced": ((None, None, ("data", "model"), None), 4, 2, "tensor", False, False),
+    "heads-per-head-tensor": ((None, ("data", "model"), None, None), 4, 4, "per-head-tensor", True, False),
+    "heads-seq-per-head-sinks-balanced": ((None, "data", "model", None), 4, 2, "per-head", True, True),
 }
-BALANCED = {"seq4-causal-balanced", "batch-seq-causal-ids-balanced", "heads-seq-sinks-balanced"}
+BALANCED = {
+    "seq4-causal-balanced",
+    "batch-seq-causal-ids-balanced",
+    "heads-seq-sinks-balanced",
+    "seq4-tensor-balanced",
+    "heads-seq-per-head-sinks-balanced",
+}
+
+
+def _mask(name, length: int = 200):
+    """A case's mask argument: a per-head list of structured masks, or a bool tensor (Lq, Lkv) or
+    (Hq, Lq, Lkv) with holes, so that its partial blocks differ."""
+    M = torch_splash.masks
+    if name == "per-head":
+        return [M.CausalMask(), M.LocalMask(40), M.ChunkedCausalMask(24), M.CausalMask(offset=-10)]
+    g = torch.Generator().manual_seed(1)
+    if name in ("tensor", "per-head-tensor"):
+        heads = 1 if name == "tensor" else 4
+        tensor = torch.tril(torch.ones(length, length, dtype=torch.bool)) & (
+            torch.rand(heads, length, length, generator=g) < 0.9
+        )
+        return tensor[0] if name == "tensor" else tensor
+    return name
 
 
 RAN = []  # the (plan, sharding) of every kernel run, recorded around _ops._run
@@ -92,7 +120,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
     if sinks is not None:
         args += [jax.ShapeDtypeStruct((plan.num_q_heads,), jnp.float32)]
-    args += [jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype) for a in program.tables()]  # one shard's slice
+    args += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.device_tables(0)]  # one device's slice
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
     out, lse = jax.eval_shape(program.forward, *args)
     backward = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
@@ -108,7 +136,7 @@ ERRORS = {
     "sequence-does-not-split": ((None, None, ("data", "model"), None), 2, 4, 2, None, 18),
     "balanced-chunks-do-not-split": ((None, None, ("data", "model"), None), 2, 4, 2, None, 20, "balanced"),
     "balanced-without-sequence-shards": (("data", None, None, None), 2, 4, 2, None, 16, "balanced"),
-    "per-head-mask-with-sequence-shards": ((None, None, "model", None), 2, 2, 2, None, 16, None, "per-head"),
+    "kv-sequence-sharded-alone": (("data", None, None, None), 2, 4, 2, None, 16, None, "kv-seq"),
 }
 
 
@@ -117,8 +145,10 @@ def errors(mesh, device):
     for name, (spec, b, hq, hkv, transport, *more) in ERRORS.items():
         length, layout, mask = more + [16, None, None][len(more) :]
         q, k, v = (torch.zeros(b, h, length, 32, device=device) for h in (hq, hkv, hkv))
-        if mask == "per-head":
-            mask = [torch_splash.masks.CausalMask(), torch_splash.masks.LocalMask(4)]
+        if mask == "kv-seq":  # k, v sharded along their sequence by the caller, q's sequence whole
+            mask = None
+            for t in (k, v):
+                xs.mark_sharding(t, mesh, (None, None, "model", None))
         try:
             torch_splash.attention(
                 q, k, v, mask, partition_spec=spec, mesh=mesh, transport=transport, sequence_layout=layout
@@ -136,6 +166,7 @@ def main(names):
     errors(mesh, device)
     for name in names:
         spec, hq, hkv, mask, with_ids, with_sinks = CASES[name]
+        mask = _mask(mask)
         layout = "balanced" if name in BALANCED else None
         g = torch.Generator().manual_seed(0)
         b, length, d = 4, 200, 32

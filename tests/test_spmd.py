@@ -33,6 +33,11 @@ EXPECTED = {
     "batch-seq-window-ids": ("{devices=[2,1,2,1]0,1,2,3}", [2, 4, 2, 100]),
     "batch-seq-causal-ids-balanced": ("{devices=[2,1,2,1]0,1,2,3}", [2, 4, 2, 100]),
     "heads-seq-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 4, 1, 100]),
+    # per-head and tensor masks (stored partial blocks), their tables split like q
+    "seq4-per-head-ids": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "seq4-tensor-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "heads-per-head-tensor": ("{devices=[1,4,1,1]0,1,2,3}", [4, 1, 1, 200]),
+    "heads-seq-per-head-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 2, 1, 100]),
 }
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
@@ -42,7 +47,7 @@ ERRORS = {
     "sequence-does-not-split": "Lq=18 does not split into 4 sequence shards: Lq must be a multiple of 4",
     "balanced-chunks-do-not-split": "Lq=20 does not split into 4 sequence shards of two mirrored chunks each",
     "balanced-without-sequence-shards": "which does not shard the query sequence",
-    "per-head-mask-with-sequence-shards": "a MultiHeadMask with the query sequence sharded",
+    "kv-sequence-sharded-alone": "k is sharded along its sequence (2 ways) but partition_spec=",
 }
 
 

@@ -61,9 +61,10 @@ def _run(number: int, kernel: str, inputs: list, transport: str, out_roles: tupl
     plan, sharding = _registered_plan(number)
     program = jax_core.program(plan)
     fn = getattr(program, kernel)
-    if program.sharded:  # every shard's block tables and query positions, split along the sequence
+    if program.sharded:  # every device's block tables (and query positions), split along the sequence and heads
         split = len(inputs) - 3 if kernel == "backward" else len(inputs)  # before out, lse, d_out
-        tables = [("tables", t) for t in _table_tensors(plan, inputs[0][1].device)]
+        roles = ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes()]
+        tables = list(zip(roles, _table_tensors(plan, inputs[0][1].device)))
         inputs = inputs[:split] + tables + inputs[split:]
     roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
     if sharding is None:

@@ -14,14 +14,17 @@ every key: k, v and the kv segment ids reach every device of the sequence axis w
 them), q, the output, the logsumexp and dq stay sharded, and each device's dk, dv (and d_sinks)
 are partial sums that leave the manual region along an axis of their own and are summed outside
 it. The block tables and query positions of every shard are inputs sharded along the sequence
-axis, so that one program serves every shard. The "balanced" layout gives each device two mirrored
-chunks of the sequence (shard s: chunks s and 2S-1-s of 2S), so that causal work is even; it is
-applied to q and the q segment ids here and undone on the output.
+axis (per-head block tables along the heads too), so that one program serves every device. The
+"balanced" layout gives each device two mirrored chunks of the sequence (shard s: chunks s and
+2S-1-s of 2S), so that causal work is even; it is applied to q and the q segment ids here and
+undone on the output. The kv sequence is never sharded on its own: a k or v the caller sharded
+along it, with the query sequence whole, is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -76,11 +79,14 @@ class Sharding:
     def spec(self, role: str, ndim: int = 0) -> tuple:
         """Partition spec of a tensor by role: q (B, Hq, Lq, D), kv (B, Hkv, Lkv, D), lse (B, Hq,
         Lq), q_ids (B, Lq), kv_ids (B, Lkv), sinks (Hq,), tables (S, ...) (one slice per sequence
-        shard); and the partial sums, given a leading axis of one on each device so that the
+        shard), head_tables (S, Hq, ...) (per-head block tables: one slice per sequence shard and
+        head shard); and the partial sums, given a leading axis of one on each device so that the
         shards' sums line up along it: d_sinks (over batch and sequence shards), dkv (over
         sequence shards)."""
         if role == "tables":
             return (self.seq,) + (None,) * (ndim - 1)
+        if role == "head_tables":
+            return (self.seq, self.heads) + (None,) * (ndim - 2)
         return {
             "q": (self.batch, self.heads, self.seq, None),
             "kv": (self.batch, self.heads, None, None),
@@ -219,4 +225,23 @@ def check(partition_spec, mesh, call, transport: str | None, sequence_layout: st
             f"be multiples of the head shards (a single kv head is copied to each). Valid head shard counts: "
             f"{_checks.common_divisors(q_heads, kv_heads)}."
         )
+    if spec[2] is None:
+        for name, t in (("k", call.k), ("v", call.v)):
+            tiles = _sequence_tiles(t)
+            if tiles > 1:
+                raise SplashConstraintError(
+                    f"{name} is sharded along its sequence ({tiles} ways) but partition_spec={partition_spec!r} "
+                    "leaves the query sequence whole: splash cannot shard the kv sequence alone (each query row "
+                    "needs every key). Shard the query sequence too (name a mesh axis for dim 2, and k and v are "
+                    f"gathered), or replicate {name}'s sequence before the call."
+                )
     return sharding
+
+
+def _sequence_tiles(t: torch.Tensor) -> int:
+    """How many ways torch_xla's sharding annotation of a 4-D tensor splits dim 2, its sequence (1
+    when it has none: a tensor computed in the pending graph has none until it runs)."""
+    import torch_xla
+
+    found = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(t))
+    return int(found.group(1).split(",")[2]) if found else 1

@@ -18,10 +18,10 @@ def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _shar
     """The plan of a checked call: at the shapes each device sees when sharded."""
     batch, q_heads, q_len, head_dim = call.q.shape
     kv_heads = call.k.shape[1]
-    q_shards, layout = 1, "contiguous"
+    q_shards, layout, head_shards = 1, "contiguous", 1
     if sharding is not None:
         batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
-        q_shards, layout = sharding.q_shards, sharding.layout
+        q_shards, layout, head_shards = sharding.q_shards, sharding.layout, sharding.shards(sharding.heads)
     return jax_core.plan(
         batch=batch,
         num_q_heads=q_heads,
@@ -40,6 +40,7 @@ def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _shar
         has_sinks=call.sinks is not None,
         q_shards=q_shards,
         sequence_layout=layout,
+        head_shards=head_shards,
     )
 
 
