@@ -139,7 +139,9 @@ class Program:
                 continue
             data_next, *mask_next, block_mask = (next(given)[0] for _ in _per_device(info))
             kept += [data_next, *mask_next, block_mask]
-            mine.append(_mask_info.MaskInfo(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence))
+            mine.append(
+                _mask_info.MaskInfo(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence)
+            )
         mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
         return _kernel(self.plan, mine, mask_function), kept
 
@@ -281,8 +283,7 @@ def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
     shared = _shared_mask(plan)
     if shared is None:
         _, infos = _table_infos(plan)
-        constants = [None if info is None else _device_info(info, 0) for info in infos]
-        return _kernel(plan, [None if c is None else jax.tree.map(jnp.asarray, c) for c in constants], None)
+        return _kernel(plan, [None if info is None else _only_shard(info) for info in infos], None)
     bound = _masks.bind(shared, 1, plan.q_len_padded, plan.kv_len_padded, plan.kv_len).masks[0]
     mask_function = getattr(bound, "mask_function", None)
     infos = [
@@ -365,12 +366,10 @@ def _per_device(info: _mask_info.MaskInfo) -> list[np.ndarray]:
     return [t for t in (info.data_next, info.mask_next, info.block_mask) if t is not None]
 
 
-def _device_info(info: _mask_info.MaskInfo, seq_shard: int) -> _mask_info.MaskInfo:
-    """One sequence shard's MaskInfo, all heads (an unsharded plan's, at seq_shard 0)."""
-    pick = lambda t: None if t is None else t[seq_shard]  # noqa: E731
-    return info._replace(
-        data_next=pick(info.data_next), mask_next=pick(info.mask_next), block_mask=pick(info.block_mask)
-    )
+def _only_shard(info: _mask_info.MaskInfo) -> _mask_info.MaskInfo:
+    """An unsharded plan's MaskInfo as constants: its one shard's tables, every head's."""
+    tables = {name: getattr(info, name) for name in ("data_next", "mask_next", "block_mask")}
+    return jax.tree.map(jnp.asarray, info._replace(**{k: t[0] for k, t in tables.items() if t is not None}))
 
 
 def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKernel:

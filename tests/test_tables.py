@@ -91,3 +91,66 @@ def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
 
     assert kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.LocalMask(4096, 0)))
     assert not kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.CausalMask(offset=-(2**21))))
+
+
+_RNG = np.random.default_rng(1)
+_RANDOM = masks.DenseMask(_RNG.random((512, 512)) < 0.3)
+_CAUSAL_HOLES = masks.DenseMask(np.tril(np.ones((512, 512), bool)) & (_RNG.random((512, 512)) < 0.9))
+_PER_HEAD = [masks.CausalMask(), masks.LocalMask(100, 0), masks.ChunkedCausalMask(96), masks.CausalMask(-40)]
+STORED = {
+    # name: (one mask per head, kv_len_padded, block shape, query-sequence shards, head shards)
+    "per-head structured": (_PER_HEAD, 512, (128, 128), 1, 1),
+    "per-head, 2 sequence shards": (_PER_HEAD, 512, (128, 128), 2, 1),
+    "per-head, 4 x 2 shards": (_PER_HEAD, 512, (64, 128), 4, 2),
+    "one tensor for all heads (shrunk)": ([_RANDOM] * 4, 512, (128, 128), 1, 1),
+    "tensors per head, 2 x 2 shards": ([_RANDOM, _CAUSAL_HOLES] * 2, 512, (128, 128), 2, 2),
+    "structured & tensor, padded keys": (
+        [masks.CausalMask() & _CAUSAL_HOLES, masks.LocalMask(30, 30) | _RANDOM],
+        640,
+        (128, 128),
+        1,
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STORED))
+def test_stored_block_tables_identical_to_jax(name):
+    """Per-head masks and masks that are data: every shard's data_next, mask_next, block_mask and
+    the partial blocks themselves, entry for entry as JAX's `_process_mask` lays them out with
+    q_seq_shards and head_shards (its shards concatenated along the q blocks)."""
+    heads, kv_pad, block_shape, seq_shards, head_shards = STORED[name]
+    length, kv_len = 512, 512
+    jax_mask = jax_masks.MultiHeadMask([masks.bind(h, 1, length, kv_pad, kv_len).masks[0] for h in heads])
+    positions = np.arange(length).reshape(seq_shards, -1)
+    for is_dkv in (False, True):
+        for shrink in (False, True):
+            want, _ = jax_info._process_mask(
+                jax_mask, block_shape, is_dkv, head_shards=head_shards, q_seq_shards=seq_shards, shrink_grid=shrink
+            )
+            got = tables.partial_mask_info(
+                tuple(heads), positions, length, kv_pad, kv_len, block_shape, is_dkv, shrink, head_shards
+            )
+            assert want.partial_mask_blocks is not None and want.q_sequence is None and got.q_sequence is None
+            for field in ("block_mask", "data_next", "mask_next", "partial_mask_blocks"):
+                w, g = getattr(want, field), getattr(got, field)
+                if field != "partial_mask_blocks":
+                    g = np.concatenate(list(g), axis=1)  # (S, H, q blocks / S, width) -> JAX's (H, q blocks, width)
+                assert w.dtype == g.dtype and w.shape == g.shape and np.array_equal(w, g), (field, is_dkv, shrink)
+
+
+def test_stored_block_tables_evaluate_non_consecutive_rows_exactly():
+    """The balanced layout's rows: a block straddling two chunks holds positions far apart; its
+    partial block is the mask at exactly those rows (hidden padding rows included)."""
+    spec = masks.CausalMask() & _CAUSAL_HOLES
+    rows = np.concatenate([np.arange(0, 96), np.arange(416, 512), np.full(64, -1)])[None]  # 2 chunks + padding
+    info = tables.partial_mask_info((spec,), rows, 512, 512, 512, (128, 128), False, False)
+    dense = spec.dense(512, 512)
+    for q in range(2):
+        for c in range(4):
+            r = rows[0, q * 128 : (q + 1) * 128]
+            want = np.where((r >= 0)[:, None], dense[np.clip(r, 0, None), c * 128 : (c + 1) * 128], False)
+            kind = info.block_mask[0, 0, q, c]
+            assert kind == (2 if want.all() else 1 if want.any() else 0)
+            if kind == 1:
+                assert np.array_equal(info.partial_mask_blocks[info.mask_next[0, 0, q, c]], want)
