@@ -26,12 +26,10 @@ CASES = {
     # name: (partition_spec, Hq, Hkv, mask, segment ids, sinks)
     "batch": (("data", None, None, None), 4, 2, "causal", False, False),
     "heads-gqa": ((None, "model", None, None), 4, 2, "causal", True, False),
-    "batch-and-heads-gqa": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True, False),
     "batch-and-heads-mqa": (("data", "model", None, None), 4, 1, "causal", False, False),
-    "all-devices-on-batch": ((("data", "model"), None, None, None), 2, 2, None, True, False),
     "inputs-not-marked": (("data", "model", None, None), 4, 2, "causal", False, False),
     "batch-and-heads-gqa-sinks": (("data", "model", None, None), 8, 2, torch_splash.masks.LocalMask(40), True, True),
-    "all-devices-on-batch-sinks": ((("data", "model"), None, None, None), 2, 2, "causal", False, True),
+    "all-devices-on-batch-sinks": ((("data", "model"), None, None, None), 2, 2, None, True, True),
     # the query sequence sharded: 4 ways, and batch x sequence 2 x 2
     "seq4-causal": ((None, None, ("data", "model"), None), 4, 2, "causal", False, False),
     "seq4-causal-balanced": ((None, None, ("data", "model"), None), 4, 2, "causal", False, False),

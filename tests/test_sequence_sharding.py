@@ -22,6 +22,7 @@ MASKS = {
     "window-and-causal": M.CausalMask() & M.LocalMask(64),
     "full": M.FullMask(),
 }
+_BALANCED_SLOW = {"full", "prefix-lm", "local-two-sided", "window-and-causal"}
 _RNG = np.random.default_rng(7)
 _HOLES = [_RNG.random((1040, 1040)) < 0.97 for _ in range(3)]  # causal with holes: partial blocks everywhere
 DATA_MASKS = {  # the kernel reads these from stored partial blocks, not a mask function
@@ -109,8 +110,16 @@ def _devices_reproduce_the_unsharded_call(
     return program
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-@pytest.mark.parametrize("mask", list(MASKS))
+# Every family in both layouts; the balanced layout of families whose work is not causal-shaped
+# runs under -m slow (the stored-block tests below run the balanced layout on them too).
+_LAYOUTS = [
+    pytest.param(mask, layout, marks=[pytest.mark.slow] if layout == "balanced" and mask in _BALANCED_SLOW else [])
+    for mask in MASKS
+    for layout in ("contiguous", "balanced")
+]
+
+
+@pytest.mark.parametrize("mask,layout", _LAYOUTS)
 def test_shards_reproduce_the_unsharded_call(mask, layout):
     # 260 rows per shard: padded per shard, several blocks at 128
     _devices_reproduce_the_unsharded_call(

@@ -106,7 +106,7 @@ def compile_case(case: dict, generations: list[str]) -> None:
             _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
             continue
         lowered = time.perf_counter() - start
-        for generation in generations:
+        for generation in case.get("generations", generations):  # a case may name its own
             start = time.perf_counter()
             try:
                 memory = aot.compile_hlo(proto, generation)
