@@ -6,12 +6,13 @@
    balanced layout (each device two mirrored chunks) the work is even.
 2. HBM per device from the TPU compiler (libtpu, deviceless): the attention-block training step of
    bench_tpu_memory.py with its sequence sharded (balanced) over the 4 chips of v5e:2x2 and the 16
-   of a v5e:4x4 slice, at L = 32K, 128K and 256K, next to the unsharded step on one v5e chip.
+   of a v5e:4x4 slice, at L = 32K, 128K and 256K, next to the unsharded step on one v5e chip; and
+   the same step with a per-head mask (half the heads causal, half a 4096 window) at 32K and 128K.
 3. Step time on 4 CPU devices (torch_xla SPMD, interpret-mode kernels): forward + backward of
    causal attention with the query sequence sharded 4 ways, contiguous vs balanced.
 
     ./dev.sh bench-sequence            # all of it (about 15 minutes here)
-    ./dev.sh bench-sequence --quick    # L = 32K blocks, 8K compile on 4 chips, a small CPU step
+    ./dev.sh bench-sequence --quick    # L = 32K blocks, 8K compiles (1 chip; 4 chips, also per-head), a small CPU step
 """
 
 from __future__ import annotations
@@ -63,16 +64,16 @@ def _worker(args: list[str], env: dict) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def tpu_memory(chips: int, lengths: list[int]) -> list[dict]:
-    """Per-device HBM of the step, in a process with `chips` SPMD devices and libtpu loaded."""
+def tpu_memory(chips: int, steps: list[tuple[str, int]]) -> list[dict]:
+    """Per-device HBM of each (mask, L) step, in a process with `chips` SPMD devices and libtpu loaded."""
     from jax_core import aot
 
     env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips))
-    return _worker(["--tpu-worker", str(chips), *map(str, lengths)], env)
+    return _worker(["--tpu-worker", str(chips), *(f"{mask}:{length}" for mask, length in steps)], env)
 
 
-def _tpu_worker(chips: int, lengths: list[int]) -> None:
+def _tpu_worker(chips: int, steps: list[str]) -> None:
     from torch_splash import _transport
 
     _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
@@ -83,10 +84,12 @@ def _tpu_worker(chips: int, lengths: list[int]) -> None:
     import bench_tpu_memory
 
     target = {1: "v5e", 4: "v5e:2x2", 16: "v5e:4x4"}[chips]
-    for length in lengths:
+    for mask, length in (step.split(":") for step in steps):
+        length = int(length)
         start = time.perf_counter()
-        row = bench_tpu_memory.measure(length, True, target, chips, "balanced" if chips > 1 else None)
-        print(json.dumps(dict(chips=chips, L=length, seconds=round(time.perf_counter() - start, 1), **row)), flush=True)
+        row = bench_tpu_memory.measure(length, True, target, chips, "balanced" if chips > 1 else None, mask)
+        seconds = round(time.perf_counter() - start, 1)
+        print(json.dumps(dict(mask=mask, chips=chips, L=length, seconds=seconds, **row)), flush=True)
 
 
 def cpu_step_time(length: int, rounds: int) -> list[dict]:
@@ -145,9 +148,13 @@ def run(quick: bool) -> dict:
     for row in blocks:
         print(json.dumps(row), flush=True)
     memory = []
-    compile_lengths = [8192] if quick else [32768, 131072, 262144]
-    for chips in (1, 4) if quick else (1, 4, 16):
-        memory += tpu_memory(chips, compile_lengths)
+    if quick:  # the step unsharded, and over 4 chips causal and with a per-head mask
+        plans = {1: [("causal", 8192)], 4: [("causal", 8192), ("per-head", 8192)]}
+    else:
+        causal = [("causal", length) for length in (32768, 131072, 262144)]
+        plans = {chips: causal + [("per-head", 32768), ("per-head", 131072)] for chips in (1, 4, 16)}
+    for chips, steps in plans.items():
+        memory += tpu_memory(chips, steps)
         print(json.dumps(memory[-1]), flush=True)
     cpu = cpu_step_time(1024 if quick else 4096, 1 if quick else 5)
     return dict(
@@ -160,7 +167,7 @@ def run(quick: bool) -> dict:
 
 def main():
     if sys.argv[1:2] == ["--tpu-worker"]:
-        return _tpu_worker(int(sys.argv[2]), [int(x) for x in sys.argv[3:]])
+        return _tpu_worker(int(sys.argv[2]), sys.argv[3:])
     if sys.argv[1:2] == ["--cpu-worker"]:
         return _cpu_worker(int(sys.argv[2]), int(sys.argv[3]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -33,11 +33,20 @@ def _libtpu_dir() -> str:
     return os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu"))
 
 
-def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None = None) -> str:
+def per_head_mask():
+    """Half the heads causal, half a causal 4096-token sliding window: a per-head mask, whose
+    partial blocks the kernel reads from storage."""
+    import torch_splash
+
+    window = torch_splash.masks.LocalMask(4095, 0)
+    return [torch_splash.masks.CausalMask() if h % 2 == 0 else window for h in range(HEADS)]
+
+
+def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None = None, mask: str = "causal") -> str:
     """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph.
     shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
     have enabled with as many devices): activations along the sequence, attention with the query
-    sequence sharded in `layout`."""
+    sequence sharded in `layout`. mask: "causal", or "per-head" (`per_head_mask`, splash only)."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -61,7 +70,7 @@ def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None 
     q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
     q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
     if use_splash:
-        out = torch_splash.attention(q, k, v, "causal", **options)
+        out = torch_splash.attention(q, k, v, per_head_mask() if mask == "per-head" else "causal", **options)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     loss = (out.transpose(1, 2).reshape(1, length, dim) @ w_out).float().square().mean()
@@ -72,13 +81,15 @@ def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None 
     return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
 
 
-def measure(length: int, use_splash: bool, generation: str, shards: int = 1, layout: str | None = None) -> dict:
+def measure(
+    length: int, use_splash: bool, generation: str, shards: int = 1, layout: str | None = None, mask: str = "causal"
+) -> dict:
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
     names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
     from jax_core import SplashConstraintError, aot
 
     try:
-        text = step_hlo(length, use_splash, shards, layout)
+        text = step_hlo(length, use_splash, shards, layout, mask)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
     proto = aot.hlo_text_to_proto(text)
@@ -87,6 +98,8 @@ def measure(length: int, use_splash: bool, generation: str, shards: int = 1, lay
         return dict(fits=True, bytes=memory.total, temp=memory.temp)
     except aot.OutOfMemory as oom:
         return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
+    except Exception as error:  # anything else the compiler refuses (a kernel's scoped VMEM, say): its first line
+        return dict(fits=False, compiler_error=str(error).split("\n")[0][:300])
 
 
 def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -> int:

@@ -57,7 +57,8 @@ def test_lint():
 def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
     """From bench-sequence --quick (run above; run it if missing): the balanced layout gives every
     device the same causal blocks, the same total as contiguous shards; the TPU compiler's HBM per
-    chip for the step sharded over 4 chips is below the unsharded step's on one."""
+    chip for the step sharded over 4 chips is below the unsharded step's on one; the sharded step
+    with a per-head mask compiles."""
     path = RESULTS / "sequence_quick.json"
     if not path.exists():
         dev("bench-sequence", "--quick")
@@ -68,6 +69,8 @@ def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
             contiguous = by[(length, devices, "contiguous")]
             assert len(set(blocks)) == 1 and sum(blocks) == sum(contiguous), (blocks, contiguous)
             assert max(contiguous) > 1.5 * blocks[0]  # the last contiguous shard's causal load
-    memory = {(r["chips"], r["L"]): r for r in result["tpu_memory"]}
-    one, four = memory[(1, 8192)], memory[(4, 8192)]
+    memory = {(r["mask"], r["chips"], r["L"]): r for r in result["tpu_memory"]}
+    one, four = memory[("causal", 1, 8192)], memory[("causal", 4, 8192)]
     assert one["fits"] and four["fits"] and four["bytes"] < one["bytes"], (one, four)
+    # a per-head mask (stored partial blocks, per-head tables split along the sequence) compiles too
+    assert memory[("per-head", 4, 8192)]["fits"], memory
