@@ -280,7 +280,7 @@ def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
 
 def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
     """The kernel of an unsharded plan, its block tables constants of the program."""
-    shared = _shared_mask(plan)
+    shared = _masks.shared_structured_mask(plan.mask)
     if shared is None:
         _, infos = _table_infos(plan)
         return _kernel(plan, [None if info is None else _only_shard(info) for info in infos], None)
@@ -298,14 +298,6 @@ def _build_kernel(plan: Plan) -> _splash.SplashAttentionKernel:
         for layout in _kernel_tables(plan)
     ]
     return _kernel(plan, infos, mask_function)
-
-
-def _shared_mask(plan: Plan) -> _masks.Mask | None:
-    """The structured mask every head shares, which the kernel evaluates from positions; None
-    when heads have masks of their own or the mask is data (the kernel reads stored blocks)."""
-    heads = set(plan.mask.masks) if isinstance(plan.mask, _masks.MultiHeadMask) else {plan.mask}
-    mask = heads.pop() if len(heads) == 1 else None
-    return mask if mask is not None and mask.computable else None
 
 
 def _has_allowed_pair(plan: Plan) -> bool:
@@ -338,14 +330,16 @@ def _kernel_tables(plan: Plan):
 
 
 def _sharded_bound_mask(plan: Plan) -> _masks.BoundMask:
-    return _masks.BoundMask(_shared_mask(plan), plan.q_len_padded, plan.kv_len_padded, plan.kv_len)
+    return _masks.BoundMask(
+        _masks.shared_structured_mask(plan.mask), plan.q_len_padded, plan.kv_len_padded, plan.kv_len
+    )
 
 
 def _table_infos(plan: Plan) -> tuple[np.ndarray | None, list]:
     """Every device's block tables: (the query positions (S, P) when the kernel evaluates a shared
     structured mask from them, else None; the forward, dq and dkv MaskInfos (None for a dq fused
     into dkv), whose tables have a leading sequence-shard axis and then a head axis)."""
-    shared = _shared_mask(plan)
+    shared = _masks.shared_structured_mask(plan.mask)
     positions = plan.shard_positions()
     if shared is None:
         heads = plan.mask.masks if isinstance(plan.mask, _masks.MultiHeadMask) else (plan.mask,)

@@ -382,6 +382,14 @@ class MultiHeadMask(Mask):
         return np.stack([m.dense(q_len, kv_len) for m in self.masks])
 
 
+def shared_structured_mask(mask: Mask) -> Mask | None:
+    """The structured mask every head shares, which the kernel evaluates from positions; None when
+    heads have masks of their own or the mask is data (the kernel then reads stored blocks)."""
+    heads = set(mask.masks) if isinstance(mask, MultiHeadMask) else {mask}
+    shared = heads.pop() if len(heads) == 1 else None
+    return shared if shared is not None and shared.computable else None
+
+
 # The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
 # other structured masks). torch_splash registers them for torch.compile and writes them as
 # source text for Dynamo from this one tuple.

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from .errors import SplashConstraintError
-from .masks import Immutable, MultiHeadMask
+from .masks import Immutable, MultiHeadMask, shared_structured_mask
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
@@ -47,6 +47,12 @@ VMEM_BUDGET = 1 << 28
 # 512 blocks compiled at 256K tokens (2**18 entries) and was refused at 384K ("Allocation
 # (size=1179648) would exceed memory (size=1048576) ... space=smem": the int16 table alone).
 SMEM_TABLE_ENTRIES = 1 << 18
+# That is 768 KiB of tables for a mask the kernel evaluates (data_next up to int16, block_mask int8).
+# A mask read from stored partial blocks (per-head masks, tensors) has a third table, mask_next (up
+# to int16): 5 bytes an entry. Measured: a per-head step at 128K tokens on one v5e chip, 16 heads,
+# planned to 2**18 entries, was refused ("Ran out of memory in memory space smem. Used 1.50M of
+# 1.00M"); stored tables keep to the same 768 KiB.
+SMEM_STORED_TABLE_ENTRIES = SMEM_TABLE_ENTRIES * 3 // 5
 DQ_MAX_Q_BLOCK = 1024
 _KERNEL_BLOCKS = (
     ("forward", "block_q", "block_kv"),
@@ -278,15 +284,18 @@ def _fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forwar
     return q_block * kv_block * max(head_dim, LANES) <= VMEM_BUDGET
 
 
-def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, table_heads: int) -> None:
+def _fit_smem(
+    blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, table_heads: int, stored: bool
+) -> None:
     """Grow planned blocks of a TPU kernel until its block tables fit SMEM, to at most half the VMEM
     budget: at 576K tokens a dq kernel grown to 2048 x 1024 (the budget's edge, which compiled at
     4K tokens) overran the scoped VMEM by 900K, so planned blocks keep that margin."""
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
+        limit = SMEM_STORED_TABLE_ENTRIES if stored else SMEM_TABLE_ENTRIES
         while (entries := table_heads * _blocks_along(q128, blocks[q_name]) * _blocks_along(kv128, blocks[kv_name])) > (
-            SMEM_TABLE_ENTRIES
+            limit
         ):
             grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
             candidates = [
@@ -302,7 +311,8 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
                     f"Lq={q128}, Lkv={kv128} (rounded to 128){' with ' + given if given else ''}: the {kernel} kernel "
                     f"needs {entries} block-table entries ({table_heads} x {_blocks_along(q128, blocks[q_name])} x "
                     f"{_blocks_along(kv128, blocks[kv_name])}: heads x q blocks x kv blocks), more than the "
-                    f"{SMEM_TABLE_ENTRIES} the TPU's 1 MiB SMEM holds, even with the largest "
+                    f"{limit} the TPU's 1 MiB SMEM holds{' (stored mask blocks add a table)' if stored else ''}, "
+                    "even with the largest "
                     "blocks its VMEM allows. Use larger explicit blocks if they were set, a per-head mask shared by "
                     "all heads, or split the sequence across devices."
                 )
@@ -312,7 +322,13 @@ def _fit_smem(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: i
 
 @functools.lru_cache(maxsize=1024)
 def plan_blocks(
-    q_len: int, kv_len: int, user: BlockSizes, platform: str, head_dim: int = LANES, table_heads: int = 1
+    q_len: int,
+    kv_len: int,
+    user: BlockSizes,
+    platform: str,
+    head_dim: int = LANES,
+    table_heads: int = 1,
+    stored: bool = False,
 ) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
@@ -332,7 +348,7 @@ def plan_blocks(
     blocks.update({n: block(n, kv128) for n in kv_names})
     if platform == "tpu":
         _fit_vmem(blocks, user, head_dim)
-        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads)
+        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads, stored)
     for b, c in (("block_kv", "block_kv_compute"), ("block_kv_dkv", "block_kv_dkv_compute")):
         given = getattr(user, c)
         blocks[c] = _fit_compute(blocks[b], target["compute"] if given is None else given)
@@ -395,7 +411,10 @@ def plan(
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
-    q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads)
+    stored = shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
+    q_pad, kv_pad, blocks = plan_blocks(
+        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored
+    )
     return Plan(
         batch=batch,
         num_q_heads=num_q_heads,
