@@ -307,14 +307,16 @@ def _fit_smem(
             ]
             if not candidates:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
+                fixes = ["set larger explicit blocks"] if given else []
+                if table_heads > 1:
+                    fixes.append("use one mask for all heads, or shard the heads over devices")
+                fixes.append("shard the query sequence over devices (partition_spec)")
                 raise SplashConstraintError(
                     f"Lq={q128}, Lkv={kv128} (rounded to 128){' with ' + given if given else ''}: the {kernel} kernel "
                     f"needs {entries} block-table entries ({table_heads} x {_blocks_along(q128, blocks[q_name])} x "
                     f"{_blocks_along(kv128, blocks[kv_name])}: heads x q blocks x kv blocks), more than the "
                     f"{limit} the TPU's 1 MiB SMEM holds{' (stored mask blocks add a table)' if stored else ''}, "
-                    "even with the largest "
-                    "blocks its VMEM allows. Use larger explicit blocks if they were set, a per-head mask shared by "
-                    "all heads, or split the sequence across devices."
+                    f"even with the largest blocks its VMEM allows. To fit: {'; '.join(fixes)}."
                 )
             name = min(candidates, key=lambda n: blocks[n])
             blocks[name] *= 2

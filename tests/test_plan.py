@@ -126,13 +126,16 @@ def test_stored_mask_tables_keep_to_the_smem_that_compiled():
     """Masks read from stored partial blocks add a third table (mask_next): a per-head step planned
     to 2**18 entries (16 heads at 128K) was refused by the TPU compiler for SMEM, so stored tables
     keep to 3/5 of the entries. One v5e chip then cannot hold 16 per-head tables at 128K (the error
-    says to split the sequence); 4 sequence shards, or a mask the kernel evaluates, can."""
+    says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can."""
     from jax_core.plan import SMEM_STORED_TABLE_ENTRIES
 
     per_head = jax_core.MultiHeadMask([jax_core.CausalMask(), jax_core.LocalMask(4095, 0)] * 8)
     common = dict(batch=1, num_q_heads=16, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype="bfloat16")
     common.update(scale=0.1, platform="tpu", kv_len=131072, q_len=131072)
-    with pytest.raises(jax_core.SplashConstraintError, match=r"stored mask blocks add a table.*split the sequence"):
+    with pytest.raises(
+        jax_core.SplashConstraintError,
+        match=r"stored mask blocks add a table.*one mask for all heads.*shard the query sequence",
+    ):
         jax_core.plan(mask=per_head, **common)
     jax_core.plan(mask=jax_core.CausalMask(), **common)  # one shared table: fits
     sharded = jax_core.plan(mask=per_head, q_shards=4, sequence_layout="balanced", **common)
