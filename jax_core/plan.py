@@ -307,7 +307,7 @@ def _fit_smem(
             ]
             if not candidates:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
-                fixes = ["set larger explicit blocks"] if given else []
+                fixes = ["set larger explicit blocks, or leave them None to have them planned"] if given else []
                 if table_heads > 1:
                     fixes.append("use one mask for all heads, or shard the heads over devices")
                 fixes.append("shard the query sequence over devices (partition_spec)")
