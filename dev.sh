@@ -49,8 +49,10 @@ case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
   # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures run once): on 2
   # cores the suite's subprocesses and JAX compiles leave a single pytest process idle for long
-  # stretches. TORCH_SPLASH_TEST_WORKERS=0 (or -n 0) runs everything in one process.
-  test) install_libtpu; exec .venv/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+  # stretches. Files go out longest first (tests/conftest.py). TORCH_SPLASH_TEST_WORKERS=0 (or -n 0)
+  # runs everything in one process.
+  test) install_libtpu
+    exec .venv/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
