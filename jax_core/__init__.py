@@ -1,6 +1,11 @@
 """The JAX side of torch_splash: block planning, masks and the splash programs. Never imports torch."""
 
-from .errors import SplashConstraintError, SplashDtypeError, SplashError
+from . import compat
+from .errors import SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
+
+compat.check_versions()
+compat.keep_jax_off_the_tpu()  # before any module below imports JAX
+
 from .kernels import TRACES, Program, program
 from .masks import (
     CausalMask,
@@ -29,6 +34,7 @@ __all__ = [
     "SplashConstraintError",
     "SplashDtypeError",
     "SplashError",
+    "SplashVersionError",
     "TRACES",
     "balanced_chunk_order",
     "check_sequence_layout",

@@ -5,7 +5,8 @@ libtpu must be importable and JAX kept on the CPU; `environment(libtpu_dir)` is 
 process needs for that. The test suite and the memory benchmark run it in processes of their own,
 so JAX never takes libtpu for a backend in ordinary runs. Any HLO module compiles the same way:
 torch_splash's programs as the in-graph transport hands them to torch_xla, and whole torch_xla
-training steps (`torch_xla._XLAC._get_xla_tensors_hlo` text, through `hlo_module_from_text`).
+training steps (`jax_core.compat.pending_hlo_text`, through `hlo_text_to_proto`), and the StableHLO
+modules TorchTPU's `jax_op` exports (`compile_stablehlo`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 import os
 import re
 
-import numpy as np
+from . import compat
 
 # Without these, libtpu looks for a TPU VM's metadata server and its worker host names, and a
 # second process loading libtpu at the same time (two checks, or a benchmark beside the tests)
@@ -28,7 +29,8 @@ _LIBTPU_SETTINGS = {
     "JAX_PLATFORMS": "cpu",
 }
 # One host's chips: libtpu refuses a topology smaller than a host (v5e:1x1).
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1"}
+# "v7x": libtpu 0.0.52 knows it by this name (0.0.21 knows no v7x).
+TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1", "v7x": "tpu7x:2x2x1"}
 GiB = 1 << 30
 
 
@@ -84,17 +86,18 @@ def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
     topology name as `devices` takes (SPMD-partitioned
     by its sharding annotations when more than one). Raises OutOfMemory when it does not fit in
     HBM, and the compiler's own error for anything else it refuses."""
-    from jax._src.lib import xla_client
+    return _compiled(compat.compile_hlo_for, proto, devices(generation), partitions)
 
-    targets = devices(generation)[:partitions]
-    module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
-    options = xla_client.CompileOptions()
-    build = options.executable_build_options
-    build.num_replicas, build.num_partitions = 1, partitions
-    build.use_spmd_partitioning = partitions > 1
-    build.device_assignment = xla_client.DeviceAssignment.create(np.arange(partitions, dtype=np.int32)[None])
+
+def compile_stablehlo(module, generation: str, partitions: int = 1) -> Memory:
+    """The same for a StableHLO module (text or bytecode): what `jax.export` produces, as
+    TorchTPU's `jax_op` hands it to TorchTPU's runtime."""
+    return _compiled(compat.compile_stablehlo_for, module, devices(generation), partitions)
+
+
+def _compiled(compile_for, module, targets: tuple, partitions: int) -> Memory:
     try:
-        executable = targets[0].client.compile(module, xla_client.DeviceList(targets), options)
+        executable = compile_for(module, targets, partitions)
     except Exception as error:  # the compiler's XlaRuntimeError
         message = str(error).split("\n")[0]
         used, buffer = _OOM.search(message), _OOM_BUFFER.search(message)
@@ -115,6 +118,4 @@ def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
 
 def hlo_text_to_proto(text: str) -> bytes:
     """HLO text (what torch_xla prints for a pending graph) as a serialized module."""
-    from jax._src.lib import xla_client
-
-    return xla_client._xla.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    return compat.hlo_module_from_text(text)

@@ -19,6 +19,13 @@ class SplashConstraintError(SplashError, ValueError):
     """
 
 
+class SplashVersionError(SplashError, ImportError):
+    """A Python, torch, JAX or companion package outside the versions torch_splash supports, or a
+    release that moved an API torch_splash relies on (jax_core.compat). Raised at import, naming
+    what was found and what is supported.
+    """
+
+
 class SplashDtypeError(SplashError, TypeError):
     """An argument of the wrong type (not a tensor where one is needed), or tensors whose dtypes the
     kernels cannot take (mismatched, integer where floats are needed, float64).

@@ -34,12 +34,13 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _mask_info
 
+from . import compat
 from . import masks as _masks
 from . import tables as _tables
 from .plan import Plan
+
+_splash, _, _mask_info = compat.splash_modules()
 
 # Counts traces (not calls) of each program body: a cache hit traces nothing.
 TRACES: collections.Counter = collections.Counter()
@@ -139,9 +140,7 @@ class Program:
                 continue
             data_next, *mask_next, block_mask = (next(given)[0] for _ in _per_device(info))
             kept += [data_next, *mask_next, block_mask]
-            mine.append(
-                _mask_info.MaskInfo(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence)
-            )
+            mine.append(compat.mask_info(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence))
         mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
         return _kernel(self.plan, mine, mask_function), kept
 
@@ -181,7 +180,7 @@ class Program:
         primals = (q, k, v) if sinks is None else (q, k, v, sinks)
         out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(kernel, q, k, v, segment_ids, *s), *primals)
         leaves, tree = jax.tree.flatten(vjp)
-        (lse,) = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
+        lse = compat.logsumexp_residual(leaves, out)
         return out, lse, leaves, tree, self._residual_sources(q, k, v, sinks, segment_ids) + table_arrays
 
     def _finish(self, out, lse):
@@ -212,7 +211,7 @@ class Program:
         self._sources = [source(leaf) for leaf in leaves]
         kinds = [kind for kind, _ in self._sources]
         assert kinds.count("out") == kinds.count("lse") == 1, kinds
-        assert not any(kind == "const" and isinstance(value, jax.core.Tracer) for kind, value in self._sources), kinds
+        assert not any(kind == "const" and compat.is_tracer(value) for kind, value in self._sources), kinds
         self._residual_tree = tree
         return self._finish(out, lse), lse
 

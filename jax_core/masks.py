@@ -14,8 +14,8 @@ import hashlib
 import operator
 
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _splash_mask
 
+from . import compat
 from .errors import SplashConstraintError
 
 
@@ -35,6 +35,7 @@ def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimu
 
 
 _INT_LIMIT = 1 << 30
+_splash_mask = compat.splash_modules()[1]
 
 
 def _and(a, b):
@@ -430,7 +431,7 @@ def _leaves(spec: Mask):
         yield spec
 
 
-class BoundMask(_splash_mask._ComputableMask):
+class BoundMask(compat.computable_mask_base()):
     """A spec bound to the padded grid, with the keys at or past the real Lkv hidden.
 
     Hiding padded keys in the mask (rather than with segment ids) keeps them out of every softmax

@@ -1,31 +1,36 @@
 """The Mosaic IR version the TPU kernels are serialized with: decided here, and nowhere else.
 
 A Pallas TPU kernel reaches XLA as a serialized Mosaic module inside a `tpu_custom_call`, and
-the libtpu that compiles it deserializes only versions up to its own. jax 0.7.1 writes version 8
-unless it believes it runs on an older Cloud TPU, and that belief reads the platform version of
-JAX's default backend: on a TPU host where JAX is kept on the CPU (as torch_splash keeps it) that
-is the CPU, so JAX would guess 4, and on any other machine 8. Neither is the libtpu torch_xla
-compiles with. So torch_splash decides, in this order:
+the libtpu that compiles it deserializes only versions up to its own. JAX's own choice reads its
+default backend: on a TPU host where JAX is kept on the CPU (as torch_splash keeps it, for
+torch_xla and TorchTPU alike) there is no TPU backend, and jax 0.7.1 then guesses 4 (8 on any other
+machine) and jax 0.12 writes 15. Neither follows the libtpu that compiles the kernel. So
+torch_splash decides, in this order:
 
 1. $TORCH_SPLASH_MOSAIC_IR_VERSION, if set (an escape hatch for a libtpu not measured here);
-2. the libtpu that torch_xla loads ($TPU_LIBRARY_PATH, else $PTXLA_TPU_LIBRARY_PATH, else the
-   `libtpu` package): its release, or for a bare libtpu.so its build date, against the releases
-   measured below;
+2. the libtpu that torch_xla or TorchTPU loads ($TPU_LIBRARY_PATH, else $PTXLA_TPU_LIBRARY_PATH,
+   else the `libtpu` package): its release, or for a bare libtpu.so its build date, against the
+   releases measured below;
 3. otherwise (no libtpu on this machine: planning and lowering for TPU from a CPU) the libtpu that
-   torch_xla 2.9.0's `tpu` extra pins.
+   torch_xla 2.9.0's `tpu` extra pins;
 
-The table was measured by compiling a Pallas kernel serialized at every version 1 to 9 with each
-release (deviceless, for v5e): each reads every version up to its newest and refuses the next one
-("Unsupported version: expected <= 7 but got 8"). 0.0.21.1 reads 7 like 0.0.21; 0.0.24, 0.0.30,
-0.0.40 and 0.0.52 read 8 like 0.0.22 (9 is refused by jax 0.7.1's own serializer). A libtpu built
-before the oldest release measured is refused with a `SplashConstraintError` before anything is lowered.
+and never past the newest version the installed JAX serializes (`WRITTEN`).
+
+The tables were measured by compiling a Pallas kernel serialized at every version with each
+release (deviceless, for v5e): each libtpu reads every version up to its newest and refuses the
+next one ("Unsupported version: expected <= 7 but got 8"). With jax 0.7.1 (versions 1 to 9):
+0.0.21.1 reads 7 like 0.0.21; 0.0.24, 0.0.30, 0.0.40 and 0.0.52 read 8 like 0.0.22, and 9 is
+refused by jax 0.7.1's own serializer. With jax 0.12.0.1 (versions 1 to 24): libtpu 0.0.52 reads
+every version up to 18, and 19 is refused by jax 0.12's serializer. A release between two measured
+ones is taken to read what the older one does, and a JAX between two measured ones to write what
+the older one does: older versions are read by every newer libtpu. A libtpu built before the
+oldest release measured is refused with a `SplashConstraintError` before anything is lowered.
 
 This module imports no JAX at import time (dev.sh reads PINNED_LIBTPU from it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import importlib.metadata
@@ -34,10 +39,8 @@ import mmap
 import os
 import pathlib
 import re
-import threading
 
 PINNED_LIBTPU = "0.0.21"  # torch_xla 2.9.0's `tpu` extra: libtpu==0.0.21
-NEWEST_WRITTEN = 8  # the newest version jax 0.7.1 serializes (9 fails its serializer)
 OVERRIDE = "TORCH_SPLASH_MOSAIC_IR_VERSION"
 
 # (release, build date read from its libtpu.so, newest Mosaic IR version it deserializes)
@@ -47,7 +50,21 @@ MEASURED = (
     ("0.0.20", datetime.date(2025, 8, 1), 7),
     ("0.0.21", datetime.date(2025, 8, 15), 7),
     ("0.0.22", datetime.date(2025, 9, 3), 8),
+    ("0.0.52", datetime.date(2026, 11, 5), 18),
 )
+# (JAX release, newest Mosaic IR version it serializes)
+WRITTEN = (
+    ("0.7.1", 8),
+    ("0.12.0.1", 18),
+)
+
+
+def newest_written(jax_version: str | None = None) -> int:
+    """The newest Mosaic IR version this JAX (or the one named) serializes."""
+    from . import compat
+
+    key = _release_key(jax_version or compat.installed("jax") or WRITTEN[0][0])
+    return max((writes for measured, writes in WRITTEN if _release_key(measured) <= key), default=WRITTEN[0][1])
 
 
 def _release_key(release: str) -> tuple[int, ...]:
@@ -115,31 +132,12 @@ def ir_version() -> int:
 
     if os.environ.get(OVERRIDE):
         value = os.environ[OVERRIDE]
-        if not value.isdigit() or not 1 <= int(value) <= NEWEST_WRITTEN:
-            raise SplashConstraintError(f"${OVERRIDE}={value!r}: expected an integer from 1 to {NEWEST_WRITTEN}.")
+        if not value.isdigit() or not 1 <= int(value) <= newest_written():
+            raise SplashConstraintError(f"${OVERRIDE}={value!r}: expected an integer from 1 to {newest_written()}.")
         return int(value)
     path = libtpu_path()
     if path is None:
-        return min(newest_readable(), NEWEST_WRITTEN)
+        return min(newest_readable(), newest_written())
     release = _package_release(path)
     built = None if release is not None else build_date(path)
-    return min(newest_readable(release, built), NEWEST_WRITTEN)
-
-
-_LOWERING = threading.Lock()
-
-
-@contextlib.contextmanager
-def serialized_at(version: int):
-    """Lower TPU kernels at this Mosaic IR version. JAX reads the version from
-    `tpu_custom_call.get_ir_version` when it lowers each kernel, and offers no public setting;
-    lowering is serialized by a lock while the function is replaced."""
-    from jax._src import tpu_custom_call
-
-    with _LOWERING:
-        jax_guess = tpu_custom_call.get_ir_version
-        tpu_custom_call.get_ir_version = lambda ctx: version
-        try:
-            yield
-        finally:
-            tpu_custom_call.get_ir_version = jax_guess
+    return min(newest_readable(release, built), newest_written())

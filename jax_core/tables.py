@@ -19,9 +19,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _mask_info
 
+from . import compat
 from .masks import Mask
+
+_mask_info = compat.splash_modules()[2]
 
 
 def _next_nonzero(nonzero_flat: np.ndarray, coordinate_flat: np.ndarray) -> np.ndarray:
@@ -111,10 +113,11 @@ def _data_next(block_mask: np.ndarray, is_dkv: bool) -> np.ndarray:
 
 
 def _packed(block_mask, data_next, q_sequence) -> _mask_info.MaskInfo:
-    return _mask_info.MaskInfo(
-        data_next=_mask_info._downcast_to_small_type(np.ascontiguousarray(data_next)),
+    small = compat.downcast_to_small_type
+    return compat.mask_info(
+        data_next=small(np.ascontiguousarray(data_next)),
         mask_next=None,
-        block_mask=_mask_info._downcast_to_small_type(np.ascontiguousarray(block_mask)),
+        block_mask=small(np.ascontiguousarray(block_mask)),
         partial_mask_blocks=None,
         q_sequence=q_sequence,
     )
@@ -282,8 +285,8 @@ def partial_mask_info(
         partial_blocks = np.stack(blocks).astype(np.bool_)
         if is_dkv:
             partial_blocks = np.swapaxes(partial_blocks, -1, -2)
-    small = _mask_info._downcast_to_small_type
-    return _mask_info.MaskInfo(
+    small = compat.downcast_to_small_type
+    return compat.mask_info(
         data_next=small(np.ascontiguousarray(data_next)),
         mask_next=small(np.ascontiguousarray(mask_next)) if blocks else None,
         block_mask=small(np.ascontiguousarray(kinds)),

@@ -1,5 +1,6 @@
-"""How JAX programs reach torch: DLPack capsules to JAX arrays on the CPU (zero-copy), or the
-program lowered to an HLO module for torch_xla's lazy graph.
+"""How JAX programs reach torch: DLPack capsules to JAX arrays on the CPU (zero-copy), the
+program lowered to an HLO module for torch_xla's lazy graph, or a program numbered for TorchTPU's
+`jax_op`, which exports it itself.
 
 DLPack has a per-call budget: `jax.dlpack.from_dlpack` spends about 130 us per array on a 2-core
 CPU (mostly generic dtype and placement work around one C++ call); the C++ call alone takes about
@@ -11,11 +12,14 @@ public API if it moves.
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
 
-from . import mosaic
+from . import compat, mosaic
 
 
 @functools.cache
@@ -23,16 +27,7 @@ def _cpu_device():
     return jax.devices("cpu")[0]
 
 
-def _import_capsule():
-    try:
-        from jax._src.lib import xla_client
-
-        return xla_client._xla.dlpack_managed_tensor_to_buffer
-    except (ImportError, AttributeError):  # a JAX without the private import: use the public one
-        return None
-
-
-_IMPORT = _import_capsule()
+_IMPORT = compat.dlpack_import()  # None: a JAX without the direct import, so the public one
 
 
 class _Capsule:
@@ -65,12 +60,58 @@ def hlo_module(
     argument as a parameter, so none may be pruned. TPU kernels are serialized at the Mosaic IR
     version `jax_core.mosaic` decides (`mosaic_version` overrides it, for tests).
     """
+    return lowered(fn, args, platform, mosaic_version).compiler_ir("hlo").as_serialized_hlo_module_proto()
+
+
+def lowered(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mosaic_version: int | None = None):
+    """`fn` lowered as `hlo_module` lowers it, before the conversion to HLO: JAX's `Lowered`."""
     structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
     traced = jax.jit(fn, keep_unused=True).trace(*structs)
-    if platform == "tpu":
-        version = mosaic.ir_version() if mosaic_version is None else mosaic_version
-        with mosaic.serialized_at(version):
-            lowered = traced.lower(lowering_platforms=(platform,))
-    else:
-        lowered = traced.lower(lowering_platforms=(platform,))
-    return lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+    if platform != "tpu":
+        return traced.lower(lowering_platforms=(platform,))
+    version = mosaic.ir_version() if mosaic_version is None else mosaic_version
+    with compat.mosaic_ir_version(version):
+        return traced.lower(lowering_platforms=(platform,))
+
+
+# TorchTPU: one `jax_op` serves every program. A program reaches it as a number (a static argument,
+# part of TorchTPU's cache key with the shapes); numbers are never reused, so a number cached by
+# TorchTPU can never name another program, and an evicted program is not kept alive here.
+_NUMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT_NUMBER = itertools.count()
+_NUMBERING = threading.Lock()
+
+
+def program_number(fn) -> int:
+    """The number `numbered_program` knows this jitted program by."""
+    with _NUMBERING:
+        number = _NUMBERS.get(fn)
+        if number is None:
+            number = _NUMBERS[fn] = next(_NEXT_NUMBER)
+            _BY_NUMBER[number] = fn
+        return number
+
+
+def numbered_program(tensors: list[jax.Array], program: int) -> list[jax.Array]:
+    """The program numbered `program` on these arrays: the JAX function TorchTPU's `jax_op`
+    exports (for TPU, with `jax.export`) and registers as the custom op torch_splash::tpu_program."""
+    out = _BY_NUMBER[program](*tensors)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def export_for_torchtpu(fn, args: tuple[tuple[tuple[int, ...], str], ...], mosaic_version: int | None = None):
+    """`fn` at these (shape, dtype name) arguments exported exactly as TorchTPU's `jax_op` exports
+    `numbered_program` (jax.export for TPU, newest serialization, custom calls allowed), at the
+    Mosaic IR version `jax_core.mosaic` decides: the module TorchTPU's runtime compiles."""
+    import jax.export
+
+    structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
+    version = mosaic.ir_version() if mosaic_version is None else mosaic_version
+    exporter = jax.export.export(
+        jax.jit(numbered_program, static_argnums=(1,), keep_unused=True),
+        platforms=["tpu"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ALL")],
+    )
+    with compat.export_ignoring_forward_compatibility(), compat.mosaic_ir_version(version):
+        return exporter(structs, program_number(fn))

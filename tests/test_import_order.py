@@ -58,7 +58,9 @@ def test_jax_imported_first_is_kept_on_cpu_without_a_warning():
 def test_jax_already_on_the_tpu_warns():
     got = _run("""
         import types, jax
+        from jax._src import xla_bridge
         jax.devices = lambda *a: [types.SimpleNamespace(platform="tpu")]  # as if JAX had opened a TPU
+        xla_bridge.backends_are_initialized = lambda: True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import torch_splash

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import operator
 
 import torch
 
@@ -41,7 +42,9 @@ def to_source(mask) -> str | None:
             heads = [to_source(m) for m in value]
             part = None if None in heads else "(" + "".join(f"{h}, " for h in heads) + ")"
         else:
-            part = to_source(value) if isinstance(value, Mask) else repr(value)
+            # Under torch.compile an int field can be symbolic (an int argument that changed between
+            # calls); operator.index specialises it (Dynamo guards on the value) where repr cannot.
+            part = to_source(value) if isinstance(value, Mask) else repr(value and operator.index(value))
         if part is None:
             return None
         parts.append(part)

@@ -29,7 +29,7 @@ import re
 import torch
 
 import jax_core
-from jax_core import SplashConstraintError
+from jax_core import SplashConstraintError, compat
 
 from . import _checks, _transport
 
@@ -241,7 +241,5 @@ def check(partition_spec, mesh, call, transport: str | None, sequence_layout: st
 def _sequence_tiles(t: torch.Tensor) -> int:
     """How many ways torch_xla's sharding annotation of a 4-D tensor splits dim 2, its sequence (1
     when it has none: a tensor computed in the pending graph has none until it runs)."""
-    import torch_xla
-
-    found = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(t))
+    found = re.search(r"devices=\[([\d,]+)\]", compat.sharding_spec(t))
     return int(found.group(1).split(",")[2]) if found else 1

@@ -1,0 +1,364 @@
+"""The one home of every private or unstable API torch_splash relies on, and of its version ranges.
+
+JAX's splash kernel is `jax.experimental` (its constructor, MaskInfo's fields and the residuals its
+custom_vjp keeps change between releases); lowering at a chosen Mosaic IR version, importing a
+DLPack capsule cheaply and compiling an HLO module for a TPU topology reach into `jax._src`; the
+in-graph transport and SPMD reach into `torch_xla._XLAC`; the TorchTPU stand-in of the tests
+replaces TorchTPU's kernel runtime. Each entry below says what it reaches for; `CHECKED` says
+which releases it was checked against. When a release moves one, the failure is a
+`SplashVersionError` naming the entry, the version found and the versions checked.
+
+`SUPPORTED` holds the version ranges pyproject.toml declares (a test keeps the two equal);
+`check_versions` refuses, at import, a Python, torch, JAX, jaxlib or numpy outside them, unless
+$TORCH_SPLASH_ALLOW_UNTESTED=1 turns the refusal into a warning.
+
+Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
+used, and the torch_xla and TorchTPU entries, called only by torch_splash's transports, import
+those packages when called (jax_core itself never imports torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import os
+import re
+import sys
+import threading
+import warnings
+
+# Ranges, [low, high): the same as pyproject.toml's `dependencies` and `requires-python`.
+SUPPORTED = {
+    "python": ("3.11", "3.14"),
+    "torch": ("2.9", "2.15"),
+    "jax": ("0.7.1", "0.13"),
+    "jaxlib": ("0.7.1", "0.13"),
+    "numpy": ("2.0", "3"),
+}
+# torch_xla 2.9 is built against torch 2.9, and its Pallas extra pins jax 0.7.1.
+TORCH_XLA_NEEDS = {"torch": ("2.9", "2.10"), "jax": ("0.7.1", "0.8")}
+# The releases every entry below was checked against (the tested sets in locks/).
+CHECKED = {
+    "jax": ("0.7.1", "0.12.0.1"),
+    "torch_xla": ("2.9.0",),
+    "torch-tpu": ("0.2.0",),
+    "libtpu": ("0.0.21", "0.0.52"),
+}
+ALLOW_UNTESTED = "TORCH_SPLASH_ALLOW_UNTESTED"
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version's release numbers: "2.14.1+cu130" -> (2, 14, 1), "0.12.0.1" -> (0, 12, 0, 1)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:4])
+
+
+def installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _outside(found: str, low: str, high: str) -> bool:
+    return not release(low) <= release(found) < release(high)
+
+
+def _refuse(message: str) -> None:
+    from .errors import SplashVersionError
+
+    if os.environ.get(ALLOW_UNTESTED) == "1":
+        warnings.warn(f"torch_splash: {message} (${ALLOW_UNTESTED}=1: going on anyway)", stacklevel=3)
+        return
+    raise SplashVersionError(f"{message} Set ${ALLOW_UNTESTED}=1 to try anyway.")
+
+
+def python_version() -> str:
+    return ".".join(map(str, sys.version_info[:3]))
+
+
+def check_versions(names=("python", "jax", "jaxlib", "numpy")) -> None:
+    """Refuse a Python or package outside SUPPORTED (jax_core checks its own; torch_splash adds torch)."""
+    for name in names:
+        found = python_version() if name == "python" else installed(name)
+        if found is None:
+            continue  # not installed: its own import fails, with its own message
+        low, high = SUPPORTED[name]
+        if _outside(found, low, high):
+            _refuse(
+                f"{name} {found} is outside the versions torch_splash supports ({name} >={low},<{high}). "
+                f"Install a supported one, e.g. pip install '{name}>={low},<{high}'"
+                + (" (or a Python in that range)." if name == "python" else ".")
+            )
+
+
+@functools.cache
+def check_torch_xla() -> None:
+    """torch_xla's own metadata pins neither torch nor JAX: a mismatched torch fails deep in its C++."""
+    found = installed("torch_xla")
+    for name, (low, high) in TORCH_XLA_NEEDS.items():
+        version = installed(name)
+        if found is not None and version is not None and _outside(version, low, high):
+            _refuse(
+                f"torch_xla {found} works with {name} >={low},<{high}, and {name} {version} is installed. "
+                "Install the torch_xla set: pip install 'torch_splash[xla]'."
+            )
+
+
+def _moved(entry: str, error: BaseException) -> BaseException:
+    from .errors import SplashVersionError
+
+    return SplashVersionError(
+        f"{entry} is not where torch_splash expects it in jax {installed('jax')}, torch_xla "
+        f"{installed('torch_xla')}, torch-tpu {installed('torch-tpu')} (checked: {CHECKED}): {error}"
+    )
+
+
+def keep_jax_off_the_tpu() -> None:
+    """On a TPU host torch_xla or TorchTPU owns the TPU, and JAX opening it too hangs torch_xla
+    (torch_xla issues 8793 and 8954) and competes with TorchTPU. JAX only lowers the kernels for
+    TPU, which needs no TPU backend (jax_core.transport.hlo_module), so JAX is kept on the CPU
+    unless the caller set JAX_PLATFORMS. TorchTPU installs libtpu where JAX finds it, so its
+    presence alone is the sign (on a machine without a TPU, JAX would otherwise try the TPU and
+    print libtpu's errors). If JAX is not imported yet, torch_xla opens the TPU first, as torch_xla's
+    own guard (`jax_import_guard`, private) does."""
+    import importlib.util
+
+    torch_xla_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+    if not torch_xla_tpu and importlib.util.find_spec("torch_tpu") is None:
+        return
+    jax_came_first = "jax" in sys.modules
+    if torch_xla_tpu and not jax_came_first:
+        from torch_xla._internal.jax_workarounds import jax_import_guard
+
+        jax_import_guard()
+    import jax
+    from jax._src import xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+    elif jax.devices()[0].platform != "cpu":
+        warnings.warn(
+            "torch_splash: JAX opened the TPU before torch_splash was imported, so torch_xla's or "
+            "TorchTPU's computations may hang (torch_xla issue 8793). Import torch_splash before "
+            "running JAX code, or set JAX_PLATFORMS=cpu.",
+            stacklevel=4,
+        )
+
+
+# --- JAX: the splash kernel package (jax.experimental.pallas.ops.tpu.splash_attention) ---------
+
+
+@functools.cache
+def splash_modules():
+    """(kernel, mask, mask_info) modules of JAX's splash package."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
+
+    return kernel, mask, mask_info
+
+
+def computable_mask_base() -> type:
+    """The base class of a mask the kernel evaluates by its function (`_ComputableMask`)."""
+    try:
+        return splash_modules()[1]._ComputableMask
+    except AttributeError as error:
+        raise _moved("splash_attention_mask._ComputableMask", error) from None
+
+
+def mask_info(data_next, mask_next, block_mask, partial_mask_blocks, q_sequence):
+    """A MaskInfo (jax 0.12 added `is_dynamic_mask`, defaulted; the five kept their names)."""
+    return splash_modules()[2].MaskInfo(
+        data_next=data_next,
+        mask_next=mask_next,
+        block_mask=block_mask,
+        partial_mask_blocks=partial_mask_blocks,
+        q_sequence=q_sequence,
+    )
+
+
+def downcast_to_small_type(array):
+    """A block table in the smallest integer type holding it, as JAX's own builder stores it."""
+    try:
+        return splash_modules()[2]._downcast_to_small_type(array)
+    except AttributeError as error:
+        raise _moved("splash_attention_mask_info._downcast_to_small_type", error) from None
+
+
+def logsumexp_residual(leaves: list, out):
+    """The logsumexp among the leaves of the splash custom_vjp's vjp function: JAX names no
+    residual, so it is the one float32 array shaped like `out` without its last axis."""
+    import jax.numpy as jnp
+
+    found = [x for x in leaves if x.shape == out.shape[:-1] and x.dtype == jnp.float32]
+    if len(found) != 1:
+        raise _moved("the splash kernel's logsumexp residual", f"{len(found)} candidates among {len(leaves)} leaves")
+    return found[0]
+
+
+def is_tracer(value) -> bool:
+    import jax
+
+    return isinstance(value, jax.core.Tracer)
+
+
+# --- JAX: lowering TPU kernels at a chosen Mosaic IR version (jax._src.tpu_custom_call) -------
+
+_LOWERING = threading.Lock()
+
+
+@contextlib.contextmanager
+def mosaic_ir_version(version: int):
+    """Lower TPU kernels at this Mosaic IR version. JAX reads it from
+    `tpu_custom_call.get_ir_version(ctx)` each time it lowers a kernel (jax 0.7.1 and 0.12 alike)
+    and offers no public setting, so the function is replaced while lowering, under a lock."""
+    from jax._src import tpu_custom_call
+
+    with _LOWERING:
+        jax_guess = tpu_custom_call.get_ir_version
+        tpu_custom_call.get_ir_version = lambda ctx: version
+        try:
+            yield
+        finally:
+            tpu_custom_call.get_ir_version = jax_guess
+
+
+@contextlib.contextmanager
+def export_ignoring_forward_compatibility():
+    """As TorchTPU's jax_op exports: the newest serialization, not the 6-month-compatible one."""
+    import jax
+
+    with jax._src.config.export_ignore_forward_compatibility(True):
+        yield
+
+
+# --- JAX / XLA client: DLPack import and deviceless compilation (jax._src.lib.xla_client) ----
+
+
+def dlpack_import():
+    """XLA's direct import of a DLPack capsule as a CPU buffer (about 15 us, against about 130 us
+    through `jax.dlpack.from_dlpack`), or None where this JAX does not have it."""
+    try:
+        from jax._src.lib import xla_client
+
+        return xla_client._xla.dlpack_managed_tensor_to_buffer
+    except (ImportError, AttributeError):
+        return None
+
+
+def hlo_module_from_text(text: str) -> bytes:
+    """HLO text (what torch_xla prints for a pending graph) as a serialized HLO module."""
+    try:
+        from jax._src.lib import xla_client
+
+        parse = getattr(xla_client._xla, "hlo_module_from_text", None)
+        if parse is None:  # jaxlib 0.12 moved it to its HLO module
+            from jaxlib import _hlo
+
+            parse = _hlo.hlo_module_from_text
+    except (ImportError, AttributeError) as error:
+        raise _moved("hlo_module_from_text", error) from None
+    return parse(text).as_serialized_hlo_module_proto()
+
+
+def compile_hlo_for(proto: bytes, targets: tuple, partitions: int):
+    """Compile a serialized HLO module for these (deviceless TPU) devices; the executable."""
+    from jax._src.lib import xla_client
+
+    module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
+    return compile_stablehlo_for(module, targets, partitions)
+
+
+def compile_stablehlo_for(module, targets: tuple, partitions: int):
+    """Compile a StableHLO module (text or bytecode) for these (deviceless TPU) devices."""
+    import numpy as np
+    from jax._src.lib import xla_client
+
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = 1, partitions
+    build.use_spmd_partitioning = partitions > 1
+    build.device_assignment = xla_client.DeviceAssignment.create(np.arange(partitions, dtype=np.int32)[None])
+    devices = xla_client.DeviceList(targets[:partitions])
+    try:
+        return targets[0].client.compile(module, devices, options)  # jaxlib 0.7.1 takes text or bytecode
+    except TypeError:  # jaxlib 0.12 takes a parsed module only
+        from jax._src.interpreters import mlir
+
+        with mlir.make_ir_context():
+            parsed = mlir.ir.Module.parse(module) if isinstance(module, (str, bytes)) else module
+            return targets[0].client.compile(parsed, devices, options)
+
+
+def portable_artifact_module(serialized: bytes):
+    """The StableHLO module of a portable artifact (`Exported.mlir_module_serialized`, what
+    TorchTPU's runtime receives), parsed."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+
+    with mlir.make_ir_context():
+        return xla_client._xla.mlir.deserialize_portable_artifact(serialized)
+
+
+def run_portable_artifact_on_cpu(serialized: bytes, arrays: list) -> list:
+    """Compile a portable artifact for JAX's CPU device and run it on these arrays: the tests'
+    stand-in for TorchTPU's kernel runtime, on modules of interpret-mode kernels."""
+    import jax
+    from jax._src.lib import xla_client
+
+    device = jax.devices("cpu")[0]
+    executable = device.client.compile_and_load(
+        serialized, xla_client.DeviceList((device,)), xla_client.CompileOptions()
+    )
+    results = executable.execute_sharded([jax.device_put(a, device) for a in arrays])
+    return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+
+
+# --- torch_xla (torch_xla._XLAC, torch_xla._internal, torch_xla.core.xla_builder) --------------
+
+
+def needs_materialization(tensors) -> bool:
+    """Whether any torch_xla tensor is part of a pending (unexecuted) lazy graph."""
+    import torch_xla
+
+    return any(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+
+
+def materialize(tensors) -> None:
+    """Execute the pending graph of these torch_xla tensors and wait for it."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True)
+
+
+def sharding_spec(tensor) -> str:
+    """torch_xla's sharding annotation of a tensor, as text ("" when it has none)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def pending_hlo_text(tensors) -> str:
+    """The HLO text of the pending graph that computes these torch_xla tensors."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def in_graph_function(name: str, hlo_module_proto: bytes):
+    """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    computation = xla_builder.computation_from_module_proto(name, hlo_module_proto)
+    return xla_builder.xla_computation_as_func(computation, name)
+
+
+# --- TorchTPU (torch_tpu._internal.pallas) -----------------------------------------------------
+
+# The module whose `tpu_torch_pallas` (the kernel runtime: register_custom_kernel,
+# lookup_custom_kernel, call_custom_kernel) and `torch_placeholder` (output buffers on device
+# "tpu") the tests replace with a CPU stand-in.
+TORCHTPU_PALLAS_MODULE = "torch_tpu._internal.pallas.pallas"
