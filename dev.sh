@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The two set-up commands of the README:
 #   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
-#   ./dev.sh test [args]   installs what is missing, runs the test suite (extra args go to pytest)
+#   ./dev.sh test [args]   installs what is missing, runs the test suite on the torch_xla set (extra args go to pytest)
+# and the rest:
+#   ./dev.sh test-current [args]   the current set (Python 3.12, torch 2.14, jax 0.12, TorchTPU): every test
+#                          that needs no torch_xla (deselected: -m xla), in .venv-current
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 #   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
@@ -12,23 +15,39 @@
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
 #   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
-# The venv lives in .venv and is rebuilt only when pyproject.toml changes.
+#   ./dev.sh lock          re-resolves locks/*.txt from pyproject.toml and locks/*.in (needs the registry)
+# Each set installs exactly from its lock file (locks/), into its own venv, rebuilt only when the
+# lock or pyproject.toml changes: .venv (the torch_xla set, Python 3.11), .venv-current (Python 3.12).
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=$(command -v python3.11 || command -v python3)
-stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-  echo "[dev.sh] installing the pinned set into .venv (first run: a few minutes, torch is large)" >&2
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+UV_VERSION=0.13.9
+
+python_for() {  # an interpreter of Python $1: on PATH, or one pyenv installed
+  local found
+  for found in "$(command -v "python$1" || true)" /root/.pyenv/versions/"$1".*/bin/"python$1"; do
+    if [ -n "$found" ] && [ -x "$found" ] && "$found" -c pass 2>/dev/null; then echo "$found"; return; fi
+  done
+  echo "[dev.sh] no Python $1 found: install one (e.g. apt-get install python$1-venv)" >&2; exit 1
+}
+
+# install VENV PYTHON_VERSION LOCK: the exact set of LOCK, then torch_splash itself (editable, no deps).
+install() {
+  local venv=$1 version=$2 lock=$3 stamp
+  stamp="$venv/.installed-$(cat "$lock" pyproject.toml | sha256sum | cut -c1-16)"
+  [ -f "$stamp" ] && return
+  echo "[dev.sh] installing $lock into $venv (first run: a few minutes, torch is large)" >&2
+  [ -x "$venv/bin/python" ] || "$(python_for "$version")" -m venv "$venv"
   # uv, not pip, installs the set: pip holds every downloaded wheel until it has installed them
   # all (12.2 GB of disk at its peak for a 7.9 GB venv; CI once ran out of space there), where uv
   # unpacks wheels as they stream into its cache and hard-links them into the venv (peak 7.9 GB).
-  # The cache lives inside .venv so that the hard links never cross file systems.
-  .venv/bin/python -m pip install -q uv==0.13.9
-  UV_CACHE_DIR="$PWD/.venv/uv-cache" UV_LINK_MODE=hardlink \
-    .venv/bin/python -m uv pip install -q --python .venv/bin/python -e '.[test]'
-  rm -f .venv/.installed-* && touch "$stamp"
-fi
+  # The cache lives inside the venv so that the hard links never cross file systems.
+  "$venv/bin/python" -m pip install -q "uv==$UV_VERSION"
+  export UV_CACHE_DIR="$PWD/$venv/uv-cache" UV_LINK_MODE=hardlink
+  "$venv/bin/python" -m uv pip install -q --python "$venv/bin/python" -r "$lock"
+  "$venv/bin/python" -m uv pip install -q --python "$venv/bin/python" --no-deps -e .
+  rm -f "$venv"/.installed-* && touch "$stamp"
+}
+
 # libtpu, for the TPU compile checks only (tests/test_tpu_compile.py, benchmarks/bench_tpu_memory.py):
 # the release torch_xla's `tpu` extra pins (jax_core/mosaic.py), in a folder of its own that only
 # those checks' own processes put on their path, so JAX never takes it for a backend elsewhere.
@@ -43,16 +62,32 @@ install_libtpu() {
   fi
   export TORCH_SPLASH_LIBTPU_DIR="$PWD/.venv/libtpu"
 }
-export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 cmd="${1:-}"; shift || true
+case "$cmd" in
+  test-current) install .venv-current 3.12 locks/current-py312.txt ;;
+  *) install .venv 3.11 locks/xla-py311.txt ;;
+esac
+export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
   # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures run once): on 2
   # cores the suite's subprocesses and JAX compiles leave a single pytest process idle for long
   # stretches. Files go out longest first (tests/conftest.py). TORCH_SPLASH_TEST_WORKERS=0 (or -n 0)
   # runs everything in one process.
+  # -m: a -m among the extra arguments comes later and replaces it (`-m slow`: the slow sweeps only).
   test) install_libtpu
-    exec .venv/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
+    exec .venv/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+      -m "not slow and not torchtpu" "$@" ;;
+  # TorchTPU's libtpu (in the venv, where TorchTPU installs it) serves the TPU compile checks;
+  # TorchTPU keeps JAX on the CPU in torch_splash, but the test processes are told so too.
+  test-current) export TORCH_SPLASH_LIBTPU_DIR
+    TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    JAX_PLATFORMS=cpu exec .venv-current/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder -m "not slow and not xla" "$@" ;;
+  lock) uv=(.venv/bin/python -m uv pip compile -q pyproject.toml --extra test)
+    "${uv[@]}" --extra xla -c locks/xla.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o locks/xla-py311.txt
+    "${uv[@]}" --extra torchtpu -c locks/current.in --python-version 3.12 --python-platform x86_64-manylinux_2_31 \
+      -o locks/current-py312.txt ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
@@ -62,6 +97,6 @@ case "$cmd" in
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | bench | bench-masks | bench-hf | bench-transports |" \
-          "bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo | test [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
+          "bench-transports | bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune | lock" >&2; exit 2 ;;
 esac

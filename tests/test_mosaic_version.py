@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from jax_core import mosaic
+from jax_core import compat, mosaic
 from torch_splash import SplashConstraintError
 
 
@@ -28,12 +28,19 @@ def fresh_decision(monkeypatch):
         ("0.0.21", 7),
         ("0.0.21.1", 7),
         ("0.0.22", 8),
-        ("0.0.52", 8),
+        ("0.0.40", 8),
+        ("0.0.52", 18),
     ],
 )
 def test_release_table(release, reads):
-    # a release between two measured ones reads what the older one does (0.0.18: 4)
+    # a release between two measured ones reads what the older one does (0.0.18: 4, 0.0.40: 8)
     assert mosaic.newest_readable(release) == reads
+
+
+@pytest.mark.parametrize("jax_version,writes", [("0.7.1", 8), ("0.9.2", 8), ("0.12.0.1", 18), ("0.12.1", 18)])
+def test_written_table(jax_version, writes):
+    # a JAX between two measured ones writes what the older one does: every newer libtpu reads it
+    assert mosaic.newest_written(jax_version) == writes
 
 
 def test_build_date_table():
@@ -49,10 +56,16 @@ def test_a_libtpu_older_than_any_measured_is_refused():
         mosaic.newest_readable(built=datetime.date(2025, 1, 2))
 
 
-def test_without_libtpu_the_pinned_release_decides():
-    # this machine has no libtpu importable in the test process (dev.sh keeps it in its own folder)
-    assert mosaic.libtpu_path() is None
-    assert mosaic.ir_version() == mosaic.newest_readable(mosaic.PINNED_LIBTPU) == 7
+def test_the_libtpu_found_or_else_the_pinned_release_decides():
+    # the torch_xla set keeps libtpu out of the test process (dev.sh puts it in a folder of its own):
+    # the release torch_xla pins decides; the current set has TorchTPU's libtpu installed, and it does
+    path = mosaic.libtpu_path()
+    if path is None:
+        assert mosaic.ir_version() == mosaic.newest_readable(mosaic.PINNED_LIBTPU) == 7
+    else:
+        release = compat.installed("libtpu")
+        assert mosaic.ir_version() == min(mosaic.newest_readable(release), mosaic.newest_written())
+        assert (release, mosaic.ir_version()) == ("0.0.52", 18)  # the current set (locks/current-py312.txt)
 
 
 def _fake_libtpu(tmp_path, stamp: bytes):
@@ -78,8 +91,9 @@ def test_override(monkeypatch):
     monkeypatch.setenv(mosaic.OVERRIDE, "5")
     assert mosaic.ir_version() == 5
     mosaic.ir_version.cache_clear()
-    monkeypatch.setenv(mosaic.OVERRIDE, "9")
+    monkeypatch.setenv(mosaic.OVERRIDE, "99")
+    newest = mosaic.newest_written()
     with pytest.raises(
-        SplashConstraintError, match="TORCH_SPLASH_MOSAIC_IR_VERSION='9': expected an integer from 1 to 8"
+        SplashConstraintError, match=f"TORCH_SPLASH_MOSAIC_IR_VERSION='99': expected an integer from 1 to {newest}"
     ):
         mosaic.ir_version()

@@ -3,7 +3,9 @@ and on whole training steps. Lowering only proves that Mosaic calls are emitted;
 the TPU's own compiler accepts them (Mosaic deserialization, tiling, VMEM, HBM).
 
 libtpu is installed by ./dev.sh into .venv/libtpu (or $TORCH_SPLASH_LIBTPU_DIR) and used only by
-tests/tpu_compile_worker.py, in processes of their own: JAX never takes it for a backend here.
+tests/tpu_compile_worker.py, in processes of their own: JAX never takes it for a backend here. The
+torch_xla set compiles with the libtpu torch_xla pins (0.0.21); the current set with the one
+TorchTPU requires (0.0.52, from its own venv), which also knows v7x.
 """
 
 import itertools
@@ -22,7 +24,12 @@ from jax_core import aot, mosaic
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "tpu_compile_worker.py"
 LIBTPU = pathlib.Path(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", ROOT / ".venv" / "libtpu"))
+LIBTPU_RELEASE = next(
+    (p.name.removesuffix(".dist-info").split("-")[1] for p in LIBTPU.glob("libtpu-*.dist-info")), None
+)
 GENERATIONS = ["v5e", "v6e"]
+# libtpu 0.0.21 knows no v7x topology; 0.0.52 does.
+NEWEST_GENERATIONS = GENERATIONS + (["v7x"] if LIBTPU_RELEASE and mosaic.newest_readable(LIBTPU_RELEASE) >= 18 else [])
 KINDS = ["forward", "backward", "infer"]
 
 
@@ -174,8 +181,9 @@ def _by_key(results):
 
 @pytest.fixture(scope="module")
 def default_results():
+    newest = 8 if LIBTPU_RELEASE == mosaic.PINNED_LIBTPU else mosaic.newest_written()
     cases = DEFAULT + [
-        dict(DEFAULT[0], name="jax-default-version-8", scale=0.1, mosaic_version=8, generations=GENERATIONS)
+        dict(DEFAULT[0], name="jax-default-version-8", scale=0.1, mosaic_version=newest, generations=GENERATIONS)
     ]
     return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases)))
 
@@ -203,15 +211,43 @@ def test_program_compiles_for_tpu(default_results, case, kind, generation):
     _assert_compiled(default_results, case, kind, generation)
 
 
-def test_jax_default_mosaic_version_is_refused_by_the_pinned_libtpu(default_results):
+def test_a_mosaic_version_past_the_libtpu_s_is_refused(default_results):
     """Why torch_splash decides the Mosaic version: what jax 0.7.1 writes by default on a machine
-    without a TPU (8) is refused by the libtpu torch_xla 2.9.0 pins, which reads up to 7."""
-    assert mosaic.ir_version() == 7
+    without a TPU (8) is refused by the libtpu torch_xla 2.9.0 pins, which reads up to 7. With
+    TorchTPU's libtpu (the current set) every version jax 0.12 writes compiles, so the case is the
+    newest one, and it must compile."""
     for generation in GENERATIONS:
         result = default_results[("jax-default-version-8", "forward", generation)]
-        assert "Unsupported version: expected <= 7 but got 8" in result.get("error", ""), result
+        if LIBTPU_RELEASE == mosaic.PINNED_LIBTPU:
+            assert "Unsupported version: expected <= 7 but got 8" in result.get("error", ""), result
+        else:
+            assert "error" not in result and result["mosaic_calls"] == 1, result
 
 
+@pytest.mark.torchtpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case,generation", COMPILED, ids=[f"{c['name']}-{g}" for c, g in COMPILED])
+def test_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_results, case, kind, generation):
+    """What the TorchTPU transport hands TorchTPU: each program exported as TorchTPU's jax_op exports
+    it, compiled from that module by the libtpu TorchTPU requires."""
+    _assert_compiled(torchtpu_results, case, kind, generation)
+
+
+@pytest.mark.torchtpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", [c for c in DEFAULT if c["name"] in ALSO_V6E], ids=lambda c: c["name"])
+def test_program_exported_for_torchtpu_compiles_for_v7x(torchtpu_results, case, kind):
+    assert "v7x" in NEWEST_GENERATIONS, f"libtpu {LIBTPU_RELEASE} in {LIBTPU} knows no v7x topology"
+    _assert_compiled(torchtpu_results, case, kind, "v7x")
+
+
+@pytest.fixture(scope="module")
+def torchtpu_results():
+    cases = [dict(c, generations=c["generations"] + (["v7x"] if c["name"] in ALSO_V6E else [])) for c in DEFAULT]
+    return _by_key(_worker("torchtpu", ",".join(NEWEST_GENERATIONS), stdin=_lines(cases)))
+
+
+@pytest.mark.xla
 def test_training_step_compiles_for_one_chip():
     """A torch_xla training step (2 layers, forward, loss, backward, SGD) with the kernels planned
     for TPU: its HLO, with 3 Mosaic calls per layer, compiles for one v5e chip; so does the same
@@ -223,6 +259,7 @@ def test_training_step_compiles_for_one_chip():
     assert results["sdpa"]["mosaic_calls"] == 0
 
 
+@pytest.mark.xla
 def test_spmd_training_step_compiles_for_a_4_chip_mesh():
     """The same step under SPMD on a (2, 2) mesh (batch and heads), compiled with its sharding
     for the 4 chips of v5e:2x2: the shard-local kernels inside the manual-sharding region."""

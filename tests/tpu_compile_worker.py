@@ -6,6 +6,9 @@ torch_xla. Prints one JSON line per result.
                             infer programs, lowered once as the in-graph transport lowers them,
                             compiled for one chip of each generation, then a line {"done": name}.
                             A case may name "mosaic_version".
+    torchtpu GEN[,GEN...]   the same, each program exported as TorchTPU's jax_op exports it
+                            (jax_core.transport.export_for_torchtpu) and compiled from that
+                            StableHLO module, the bytes TorchTPU's runtime would compile.
     step                    the HLO of a torch_xla training step of a small transformer (forward,
                             loss, backward, SGD update) with the kernels planned for TPU, compiled
                             for one v5e chip, next to the same step with torch's SDPA.
@@ -79,18 +82,44 @@ def case_plan(case: dict):
     )
 
 
-def programs(generations: list[str], lines) -> None:
+def programs(generations: list[str], lines, torchtpu: bool = False) -> None:
     for line in lines:
         if line.strip():
             case = json.loads(line)
-            compile_case(case, generations)
+            compile_case(case, generations, torchtpu)
             _emit(done=case["name"])
 
 
-def compile_case(case: dict, generations: list[str]) -> None:
-    import jax_core
+def _in_graph_module(program, plan, kind, version):
+    """The HLO module the in-graph transport hands torch_xla, and how it compiles. Without torch_xla
+    (the current set) the same lowering compiles from its StableHLO: jaxlib 0.12's HLO-to-StableHLO
+    conversion writes custom calls that libtpu 0.0.52's StableHLO 1.16.3 cannot read, which only
+    matters to a torch_xla that set does not have."""
+    import importlib.util
+
     from jax_core import aot
-    from jax_core.transport import hlo_module
+    from jax_core.transport import hlo_module, lowered
+
+    fn, args = getattr(program, kind), program_args(plan, kind)
+    if importlib.util.find_spec("torch_xla") is None:
+        text = lowered(fn, args, "tpu", version).as_text()
+        return text, text.count("tpu_custom_call"), aot.compile_stablehlo
+    proto = hlo_module(fn, args, "tpu", version)
+    return proto, proto.count(b"tpu_custom_call"), aot.compile_hlo
+
+
+def _torchtpu_module(program, plan, kind, version):
+    """The StableHLO module TorchTPU's jax_op registers with its runtime, and how it compiles."""
+    from jax_core import aot, compat
+    from jax_core.transport import export_for_torchtpu
+
+    exported = export_for_torchtpu(getattr(program, kind), program_args(plan, kind), version)
+    module = compat.portable_artifact_module(exported.mlir_module_serialized)
+    return module, exported.mlir_module().count("tpu_custom_call"), aot.compile_stablehlo
+
+
+def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> None:
+    import jax_core
 
     try:
         plan = case_plan(case)
@@ -101,7 +130,8 @@ def compile_case(case: dict, generations: list[str]) -> None:
     for kind in ("forward", "backward", "infer"):
         start = time.perf_counter()
         try:
-            proto = hlo_module(getattr(program, kind), program_args(plan, kind), "tpu", case.get("mosaic_version"))
+            build = _torchtpu_module if torchtpu else _in_graph_module
+            module, mosaic_calls, compile_module = build(program, plan, kind, case.get("mosaic_version"))
         except Exception as exc:
             _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
             continue
@@ -109,7 +139,7 @@ def compile_case(case: dict, generations: list[str]) -> None:
         for generation in case.get("generations", generations):  # a case may name its own
             start = time.perf_counter()
             try:
-                memory = aot.compile_hlo(proto, generation)
+                memory = compile_module(module, generation)
                 _emit(
                     case=case["name"],
                     kind=kind,
@@ -118,7 +148,7 @@ def compile_case(case: dict, generations: list[str]) -> None:
                     temp=memory.temp,
                     lower_s=round(lowered, 2),
                     compile_s=round(time.perf_counter() - start, 2),
-                    mosaic_calls=proto.count(b"tpu_custom_call"),
+                    mosaic_calls=mosaic_calls,
                     blocks=dict(plan.blocks),
                 )
             except Exception as exc:
@@ -162,7 +192,7 @@ def step(spmd: bool) -> None:
     import torch_xla
 
     import torch_splash
-    from jax_core import aot
+    from jax_core import aot, compat
     from torch_splash import _transport
 
     _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
@@ -188,7 +218,7 @@ def step(spmd: bool) -> None:
 
     for name, attention in (("splash", splash), ("sdpa", sdpa)):
         tensors = _tiny_model_step(device, attention)
-        text = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+        text = compat.pending_hlo_text(tensors)
         try:
             memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
             _emit(
@@ -206,8 +236,8 @@ def step(spmd: bool) -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    if mode == "programs":
-        programs(sys.argv[2].split(","), sys.stdin)
+    if mode in ("programs", "torchtpu"):
+        programs(sys.argv[2].split(","), sys.stdin, torchtpu=mode == "torchtpu")
     elif mode == "step":
         step(spmd=False)
     elif mode == "spmd-step":
