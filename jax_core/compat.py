@@ -46,10 +46,6 @@ CHECKED = {
     "libtpu": ("0.0.21", "0.0.52"),
 }
 ALLOW_UNTESTED = "TORCH_SPLASH_ALLOW_UNTESTED"
-# jax 0.12's Mosaic lowering of the chunked causal mask function asks for the target TPU's
-# generation (`tpu_info.get_tpu_info`), which a CPU-side lowering does not know: found by the
-# current set's compile check, not served yet (the tests assert the failure).
-CHUNKED_MASK_NEEDS_TPU_GENERATION = ((0, 12), "Unsupported TPU device kind")
 
 
 def release(version: str) -> tuple[int, ...]:

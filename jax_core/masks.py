@@ -46,6 +46,20 @@ def _or(a, b):
     return None if a is None or b is None else a | b
 
 
+def _floor_div(x, divisor: int):
+    """x // divisor for a positive divisor, on NumPy values (the host) or traced ints (the kernel).
+    In the kernel, `//` is jnp.floor_divide, whose integer lowering goes through `lax.sign`, and jax
+    0.12's Mosaic lowering of `sign` asks for the target TPU's generation, which a lowering on the
+    CPU does not know ("Unsupported TPU device kind: cpu"). Truncating division corrected by the
+    remainder's sign is the same floor for every int and lowers without it."""
+    if isinstance(x, (np.ndarray, np.generic, int)):
+        return x // divisor
+    from jax import lax
+
+    quotient = lax.div(x, np.asarray(divisor, x.dtype))
+    return quotient - (lax.rem(x, np.asarray(divisor, x.dtype)) < 0).astype(quotient.dtype)
+
+
 class Immutable:
     """Base of the values callers pass as options (masks, block sizes): dataclasses with
     `unsafe_hash=True` that refuse assignment once constructed, since they key caches.
@@ -248,7 +262,8 @@ class ChunkedCausalMask(Mask):
         )
 
     def allows(self, q_ids, kv_ids):
-        return (q_ids // self.chunk_size == kv_ids // self.chunk_size) & (q_ids >= kv_ids)
+        c = self.chunk_size
+        return (_floor_div(q_ids, c) == _floor_div(kv_ids, c)) & (q_ids >= kv_ids)
 
     def blocks(self, q0, q1, k0, k1):
         c = self.chunk_size

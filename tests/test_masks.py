@@ -178,3 +178,16 @@ def test_what_cannot_combine_is_a_splash_error():
         MultiHeadMask((FullMask(), FullMask())) & MultiHeadMask((FullMask(),) * 3)
     with pytest.raises(torch_splash.SplashConstraintError, match="from_tensor takes a bool torch.Tensor"):
         from_tensor([1])
+
+
+def test_floor_division_inside_the_kernel_equals_numpy_s_for_every_sign():
+    """The chunked mask's `//` in the kernel avoids jnp.floor_divide (its TPU lowering needs the
+    chip's generation on jax 0.12): the replacement must floor exactly as NumPy does, negatives too."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_core.masks import _floor_div
+
+    x = np.arange(-600, 600, dtype=np.int32)
+    for divisor in (1, 3, 7, 128, 4096):
+        assert np.array_equal(np.asarray(_floor_div(jnp.asarray(x), divisor)), x // divisor), divisor

@@ -19,7 +19,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from jax_core import aot, compat, mosaic
+from jax_core import aot, mosaic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "tpu_compile_worker.py"
@@ -188,16 +188,6 @@ def default_results():
     return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases)))
 
 
-def known_gap(mask: str, error: str) -> None:
-    """The one known gap of the current set: jax 0.12 lowers a chunked causal mask for TPU only
-    when told the TPU generation (jax_core.compat.CHUNKED_MASK_NEEDS_TPU_GENERATION). Asserted to
-    fail that way, and reported as an expected failure, until torch_splash names the generation."""
-    since, message = compat.CHUNKED_MASK_NEEDS_TPU_GENERATION
-    if "ChunkedCausalMask" in mask and compat.release(compat.installed("jax")) >= since:
-        assert message in error, error
-        pytest.xfail(f"jax {compat.installed('jax')}: the chunked mask needs the TPU generation to lower")
-
-
 def _expected_mosaic_calls(case, kind):
     fused = (case.get("blocks") or {}).get("use_fused_bwd_kernel", False)
     return {"forward": 1, "infer": 1, "backward": 1 if fused else 2}[kind]
@@ -210,7 +200,6 @@ def _assert_compiled(results, case, kind, generation):
         or results.get((case["name"], "plan", None))
     )
     assert result is not None, f"no result for {case['name']} {kind} {generation}"
-    known_gap(case["mask"], result.get("error", ""))
     assert "error" not in result, result["error"]
     assert result["mosaic_calls"] == _expected_mosaic_calls(case, kind)
     assert result["bytes"] > 0
