@@ -112,3 +112,36 @@ def test_the_op_torchtpu_registers_passes_opcheck(torchtpu, monkeypatch):
     torch_splash.attention(q, k, v, "causal")
     op = _transport._torchtpu_op()
     torch.library.opcheck(op, ([q, k, v], numbers[-1]), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("family,layout", [("llama4", "left"), ("gpt_oss", "right")])
+def test_hf_model_through_jax_op_with_a_cpu_stand_in_for_torchtpu_s_runtime(torchtpu, family, layout):
+    """attn_implementation="splash" on TorchTPU's path: Llama 4's chunked layers with left padding
+    (segment ids), gpt-oss's sinks and sliding windows; logits, loss and every gradient as the
+    baseline's (the same tolerances as tests/test_hf.py)."""
+    from test_hf import ATOL, BASELINE, batch, logits_and_grads, make_model
+
+    model = make_model(family)
+    ids, mask, positions, valid = batch(layout)
+    ref = logits_and_grads(model, BASELINE[family], ids, mask, positions, valid)
+    got = logits_and_grads(model, "splash", ids, mask, positions, valid)
+    assert sum(torchtpu.calls.values()) == 4  # two layers, each one forward and one backward call
+    torch.testing.assert_close(got[0][valid], ref[0][valid], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], ref[1], atol=ATOL, rtol=0)
+    assert got[2].keys() == ref[2].keys()
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], atol=ATOL, rtol=0, msg=name)
+
+
+def test_with_torchtpu_installed_jax_stays_on_the_cpu():
+    """TorchTPU installs libtpu where JAX finds it; torch_splash keeps JAX off the TPU TorchTPU owns
+    (here: off a TPU that is not there, which JAX would otherwise try to open)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    script = "import torch_splash, jax; print(jax.config.jax_platforms, jax.devices()[0].platform)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cpu", "cpu"]
