@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from helpers import forward_backward, make_qkv
 
+import jax_core
 import torch_splash
 from torch_splash import _compile, masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
@@ -199,3 +200,36 @@ def test_opcheck(op):
         out, lse = OPS[0](q, k, v, *ids, None, plan, "dlpack", "")
         args = (q, k, v, *ids, None, out, lse, torch.randn_like(out), plan, "")
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_a_compiled_graph_outlives_any_number_of_other_configurations():
+    """A compiled graph holds its plan's number as a constant: the plan registry never evicts it,
+    however many other configurations run in between (it used to, past 1024, and the graph then
+    raised a RuntimeError)."""
+    from torch_splash import _ops
+
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True)
+    first = fn(q, k, v)
+    for length in range(1, _ops.MAX_REGISTERED_PLANS + 100):  # plans only: registering builds no program
+        _ops.register_plan(
+            jax_core.plan(
+                batch=1,
+                num_q_heads=1,
+                num_kv_heads=1,
+                q_len=length,
+                kv_len=length,
+                head_dim=8,
+                head_dim_v=8,
+                dtype="float32",
+                mask=jax_core.CausalMask(0),
+                scale=1.0,
+                soft_cap=None,
+                has_segment_ids=False,
+                has_sinks=False,
+                block_sizes=None,
+                platform="cpu",
+            )
+        )
+    torch.testing.assert_close(fn(q, k, v), first, atol=0, rtol=0)

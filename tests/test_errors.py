@@ -320,3 +320,11 @@ def test_every_public_error_is_a_splash_error():
         with pytest.raises(torch_splash.SplashError) as raised:
             refused()
         assert isinstance(raised.value, (ValueError, TypeError)), name
+
+
+def test_meta_segment_ids_with_real_q_are_refused_before_any_copy():
+    """Meta ids have shapes but no values: moving them to q's device raised torch's
+    NotImplementedError from inside the library."""
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 8, 8, torch.float32)
+    ids = torch.zeros(1, 16, dtype=torch.int32, device="meta")
+    raises(SplashConstraintError, r"segment_ids is a meta tensor .* q is on cpu", q, k, v, segment_ids=ids)

@@ -272,3 +272,14 @@ def test_route_sdpa_falls_back_to_torch_s_own_sdpa_exactly():
                 routed = F.scaled_dot_product_attention(q, k, v, **kwargs)
             assert torch.isfinite(routed).all()
             torch.testing.assert_close(routed, ref, atol=0, rtol=0)
+
+
+def test_causal_bias_with_is_causal_is_sdpa_s_value_error():
+    """torch's SDPA refuses a CausalBias together with is_causal=True (PyTorch's own
+    test_is_causal_and_mask_fails): so does the drop-in, with torch's error."""
+    from torch.nn.attention.bias import causal_upper_left
+
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 8, 8, torch.float32)
+    for fn in (SDPA, torch_splash.scaled_dot_product_attention):
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            fn(q, k, v, attn_mask=causal_upper_left(16, 16), is_causal=True)

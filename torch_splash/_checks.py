@@ -120,6 +120,10 @@ def _check_ids(name: str, ids, batch: int | None, length: int, length_name: str,
             f"{name} has shape {_shape(ids)} but must be {tuple(expected)}: one id per position of "
             f"{length_name}={length}.{hint}"
         )
+    if ids.device.type == "meta" and torch.device(device).type != "meta":
+        raise SplashConstraintError(
+            f"{name} is a meta tensor (shapes only, no values) but q is on {device}: pass the ids themselves."
+        )
     return ids.to(device=device)
 
 

@@ -27,21 +27,27 @@ from . import _sharding, _transport
 _REGISTERED_PLANS: dict[int, tuple[jax_core.Plan, _sharding.Sharding | None]] = {}  # least recently used first
 _PLAN_NUMBERS: dict[tuple, int] = {}
 MAX_REGISTERED_PLANS = 1024  # plans can hold dense masks: keep the registry bounded, like jax_core's caches
+# Numbers a compiled graph holds as constants: never evicted, since the graph may run again after
+# any number of other configurations. Bounded by the graphs torch.compile keeps.
+_PINNED: set[int] = set()
 _NEXT_NUMBER = itertools.count()
 
 
-def register_plan(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None) -> int:
-    """The number the ops know this plan (and sharding) by; the most recently used are kept."""
+def register_plan(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None, traced: bool = False) -> int:
+    """The number the ops know this plan (and sharding) by; the most recently used are kept, and
+    every number a traced graph (fake tensors: torch.compile) holds."""
     key = (plan, sharding)
     number = _PLAN_NUMBERS.get(key)
-    if number is not None:
+    if number is None:
+        evictable = [n for n in _REGISTERED_PLANS if n not in _PINNED]
+        while evictable and len(_REGISTERED_PLANS) - len(_PINNED) >= MAX_REGISTERED_PLANS:
+            del _PLAN_NUMBERS[_REGISTERED_PLANS.pop(evictable.pop(0))]
+        number = _PLAN_NUMBERS[key] = next(_NEXT_NUMBER)
+        _REGISTERED_PLANS[number] = key
+    else:
         _REGISTERED_PLANS[number] = _REGISTERED_PLANS.pop(number)  # now the most recently used
-        return number
-    while len(_REGISTERED_PLANS) >= MAX_REGISTERED_PLANS:
-        oldest = next(iter(_REGISTERED_PLANS))
-        del _PLAN_NUMBERS[_REGISTERED_PLANS.pop(oldest)]
-    number = _PLAN_NUMBERS[key] = next(_NEXT_NUMBER)
-    _REGISTERED_PLANS[number] = key
+    if traced:
+        _PINNED.add(number)
     return number
 
 

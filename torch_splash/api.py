@@ -149,7 +149,8 @@ def _attention(
     plan = _plan(call, block_sizes, call.platform, sharding)
     if sharding is not None:
         call = sharding.to_layout(call)  # after planning, which checks that the layout divides Lq
-    plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding), *(call.segment_ids or (None, None))
+    traced = torch._subclasses.fake_tensor.is_fake(call.q)  # torch.compile: the graph keeps the number
+    plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
         out, _ = _ops.forward(

@@ -73,60 +73,31 @@ def _shared_mask(mask: torch.Tensor) -> _masks.Mask:
     return _masks.MultiHeadMask(tuple(_structured(m) for m in mask))
 
 
-def _reject_like_sdpa(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
-    """RuntimeError for the inputs torch's SDPA itself rejects, so that code written for SDPA
-    catches what it always caught; splash's own errors are left for what SDPA serves and splash
-    cannot."""
+def _reject_like_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> None:
+    """What torch's SDPA itself rejects, with its own error types and messages, so that code
+    written for SDPA catches what it always caught: torch's SDPA runs on meta copies of the inputs
+    (its input checks, no compute). Splash's own errors are left for what SDPA serves and splash
+    cannot. Two refusals torch's meta path does not make are made here: integer inputs (torch 2.9's
+    meta path accepts them) and attn_mask with is_causal (an error torch documents; its CPU math
+    path computes something equal to neither mask)."""
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(
             "scaled_dot_product_attention(): query, key and value must be tensors, got "
             f"{', '.join(type(t).__name__ for t in tensors)}."
         )
-    if min(t.dim() for t in tensors) < 2:
-        raise RuntimeError(
-            "Expected query, key, and value to all be at least 2 dimensional, but got query.dim: "
-            f"{query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead."
+    if not torch.compiler.is_compiling():  # under compile the fake tensors are checked by the ops
+        meta = [t.detach().to("meta") for t in tensors]
+        mask = attn_mask if attn_mask is None or isinstance(attn_mask, CausalBias) else None
+        if isinstance(attn_mask, torch.Tensor) and _is_plain(attn_mask):
+            mask = attn_mask.detach().to("meta")  # other subclasses and non-tensors: refused below, by splash
+        torch.nn.functional.scaled_dot_product_attention(
+            *meta, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
-    if not query.dtype == key.dtype == value.dtype:
-        raise RuntimeError(
-            "Expected query, key, and value to have the same dtype, but got query.dtype: "
-            f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead."
-        )
-    if not query.dtype.is_floating_point:
+    if any(not t.dtype.is_floating_point for t in tensors):
         raise RuntimeError(f"Expected query, key and value to be floating point, but got {query.dtype}.")
-    if query.shape[-1] != key.shape[-1]:
-        raise RuntimeError(
-            f"Expected query and key to have the same head dimension, but got {query.shape[-1]} and {key.shape[-1]}."
-        )
-    if query.dim() >= 3 and key.dim() >= 3:
-        q_heads, kv_heads = query.shape[-3], key.shape[-3]
-        if q_heads != kv_heads and (not enable_gqa or q_heads % kv_heads):
-            raise RuntimeError(
-                f"query has {q_heads} heads and key has {kv_heads}: the number of query heads must equal the "
-                "number of key heads, or be a multiple of it with enable_gqa=True."
-            )
-    try:
-        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-    except RuntimeError as err:
-        raise RuntimeError(f"query, key and value have batch dimensions that do not broadcast: {err}") from None
-    if attn_mask is None or not isinstance(attn_mask, torch.Tensor) or isinstance(attn_mask, CausalBias):
-        return
-    if is_causal:
+    if is_causal and attn_mask is not None and not isinstance(attn_mask, CausalBias):
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        raise RuntimeError(
-            "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: "
-            f"{attn_mask.dtype} and query.dtype: {query.dtype} instead."
-        )
-    heads = query.shape[-3] if query.dim() >= 3 else 1
-    full = (*batch, heads, query.shape[-2], key.shape[-2])
-    try:
-        torch.broadcast_shapes(attn_mask.shape, full)
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (..., Hq, Lq, Lkv) = {full}: {err}"
-        ) from None
 
 
 def scaled_dot_product_attention(
@@ -154,7 +125,7 @@ def scaled_dot_product_attention(
         SplashConstraintError, SplashDtypeError: for what SDPA serves and splash cannot (dropout,
             a float bias that is not 0/-inf, float64, ...).
     """
-    _reject_like_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
+    _reject_like_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if dropout_p:
         raise SplashConstraintError(
             f"dropout_p={dropout_p}: splash attention has no attention dropout. Use dropout_p=0.0 "
