@@ -50,6 +50,16 @@ _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 
 
 class Program:
+    """The jitted forward, infer and backward of one plan, and what they take.
+
+    Each takes flat arrays in the order `signature(kind)` names them (the one place that order is
+    written): q, k, v; q_ids, kv_ids when the plan has segment ids; sinks when it has them; a
+    sharded plan's block tables ("table0", ...: `tables()`, every device's, which the caller
+    splits as `table_axes()` says); and for the backward out, lse, d_out. `arguments(kind, ...)`
+    puts named tensors (torch's or JAX's) in that order. The forward returns (out, lse), the
+    infer out, the backward (dq, dk, dv[, d_sinks]).
+    """
+
     def __init__(self, plan: Plan):
         self.plan = plan
         # Plans sharded along the query sequence, or over heads with one mask per head, take
@@ -148,15 +158,31 @@ class Program:
         # vmapped over batch; sinks, closed over, are shared by every batch element
         return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, ids, sinks))(q, k, v, segment_ids)
 
-    def _split(self, args):
-        """(segment ids, sinks, tables) from the arguments after q, k, v."""
-        args = list(args)
-        count = len(self._table_arrays)
-        tables = args[len(args) - count :] if count else []
-        args = args[: len(args) - count]
-        if self.plan.has_sinks:
-            return args[:-1], args[-1], tables
-        return args, None, tables
+    def signature(self, kind: str) -> tuple[str, ...]:
+        """The names of the arrays `kind` ("forward", "infer" or "backward") takes, in order."""
+        p = self.plan
+        names = [
+            "q",
+            "k",
+            "v",
+            *(("q_ids", "kv_ids") if p.has_segment_ids else ()),
+            *(("sinks",) if p.has_sinks else ()),
+        ]
+        names += [f"table{i}" for i in range(len(self._table_arrays))]
+        return tuple(names + (["out", "lse", "d_out"] if kind == "backward" else []))
+
+    def arguments(self, kind: str, tables=(), **named) -> list:
+        """The named arrays (q=..., k=..., ...; absent options may be given as None) and the block
+        tables, in the order `kind` takes them."""
+        named.update({f"table{i}": t for i, t in enumerate(tables)})
+        return [named[name] for name in self.signature(kind)]
+
+    def _named(self, kind: str, arrays) -> tuple:
+        """(q, k, v, segment ids or None, sinks or None, tables, the rest by name) of `kind`'s arrays."""
+        a = dict(zip(self.signature(kind), arrays, strict=True))
+        ids = (a["q_ids"], a["kv_ids"]) if "q_ids" in a else None
+        tables = [a[f"table{i}"] for i in range(len(self._table_arrays))]
+        return a["q"], a["k"], a["v"], ids, a.get("sinks"), tables, a
 
     @staticmethod
     def _residual_sources(q, k, v, sinks, segment_ids) -> list:
@@ -194,11 +220,12 @@ class Program:
         out = jnp.zeros(q.shape[:2] + (p.q_len, v.shape[-1]), q.dtype)
         return out, jnp.full(q.shape[:2] + (p.q_len_padded,), -jnp.inf, jnp.float32)
 
-    def _forward(self, q, k, v, *rest):
+    def _forward(self, *arrays):
         TRACES["forward"] += 1
+        q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)
-        out, lse, leaves, tree, inputs = self._vjp(q, k, v, *self._split(rest))
+        out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids, sinks, tables)
 
         # Where each residual comes from in the backward: a kernel input, the output, the
         # logsumexp, or a constant block table (concrete, not traced).
@@ -215,29 +242,29 @@ class Program:
         self._residual_tree = tree
         return self._finish(out, lse), lse
 
-    def _infer(self, q, k, v, *rest):
+    def _infer(self, *arrays):
         TRACES["infer"] += 1
+        q, k, v, ids, sinks, tables, _ = self._named("infer", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
-        ids, sinks, tables = self._split(rest)
         if self.rows_may_be_empty:
             out, lse, *_ = self._vjp(q, k, v, ids, sinks, tables)
             return self._finish(out, lse)
         kernel, _ = self._kernel_for(tables)
         return self._attend(kernel, *self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
 
-    def _backward(self, q, k, v, *rest):
+    def _backward(self, *arrays):
         TRACES["backward"] += 1
         p = self.plan
-        *args, out, lse, d_out = rest
-        ids, sinks, tables = self._split(args)
+        q, k, v, ids, sinks, tables, named = self._named("backward", arrays)
+        out, lse, d_out = named["out"], named["lse"], named["d_out"]
         if self.no_pairs:
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
         if self._residual_tree is None:
             # The residual layout is learnt by tracing the forward; a Program that has not run its
             # own forward (a backward after the cache evicted the forward's) traces it abstractly.
-            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *args)]
+            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays[: len(self.signature("forward"))]]
             jax.eval_shape(self._forward, *structs)
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)

@@ -161,7 +161,9 @@ def test_call_registry_is_bounded_and_a_pending_backward_survives_eviction(monke
     for length in (8, 9, 10):  # three other configurations evict its registry entry
         with torch.no_grad():
             torch_splash.attention(q[:, :, :length], k, v)
-    assert len(ops._REGISTERED_PLANS) == len(ops._PLAN_NUMBERS) <= 2
+    # the bound holds for plans no compiled graph holds (other tests' traced plans stay registered)
+    assert len(ops._REGISTERED_PLANS) == len(ops._PLAN_NUMBERS)
+    assert len(ops._REGISTERED_PLANS.keys() - ops._PINNED) <= 2
     out.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()

@@ -61,20 +61,24 @@ def _registered_plan(number: int) -> tuple[jax_core.Plan, _sharding.Sharding | N
         ) from None
 
 
-def _run(number: int, kernel: str, inputs: list, transport: str, out_roles: tuple) -> list[torch.Tensor]:
-    """The program's `kernel` on `inputs`, (role, tensor) pairs (the tensor None for absent segment
-    ids); roles (_sharding.Sharding.spec) say how each tensor is sharded under SPMD."""
+# How each named input of a program is sharded under SPMD (_sharding.Sharding.spec).
+_ROLES = {"q": "q", "k": "kv", "v": "kv", "q_ids": "q_ids", "kv_ids": "kv_ids", "sinks": "sinks"}
+_ROLES.update(out="q", lse="lse", d_out="q")
+
+
+def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple) -> list[torch.Tensor]:
+    """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options)."""
     plan, sharding = _registered_plan(number)
     program = jax_core.program(plan)
     fn = getattr(program, kernel)
-    if program.sharded:  # every device's block tables (and query positions), split along the sequence and heads
-        split = len(inputs) - 3 if kernel == "backward" else len(inputs)  # before out, lse, d_out
-        roles = ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes()]
-        tables = list(zip(roles, _table_tensors(plan, inputs[0][1].device)))
-        inputs = inputs[:split] + tables + inputs[split:]
-    roles, tensors = zip(*[(role, t) for role, t in inputs if t is not None])
+    # a sharded program takes every device's block tables (and query positions), split along the
+    # sequence and the heads
+    tables = _table_tensors(plan, named["q"].device) if program.sharded else []
+    tensors = program.arguments(kernel, tables, **named)
     if sharding is None:
-        return _transport.run(fn, list(tensors), transport, plan.platform)
+        return _transport.run(fn, tensors, transport, plan.platform)
+    table_roles = ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes()] if tables else []
+    roles = [_ROLES.get(name) or table_roles[int(name[5:])] for name in program.signature(kernel)]
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 
@@ -83,8 +87,8 @@ def _table_tensors(plan: jax_core.Plan, device: torch.device) -> list[torch.Tens
     return [torch.from_numpy(a).to(device) for a in jax_core.program(plan).tables()]
 
 
-def _inputs(q, k, v, q_ids, kv_ids, sinks) -> list:
-    return [("q", q), ("kv", k), ("kv", v), ("q_ids", q_ids), ("kv_ids", kv_ids), ("sinks", sinks)]
+def _inputs(q, k, v, q_ids, kv_ids, sinks) -> dict:
+    return dict(q=q, k=k, v=v, q_ids=q_ids, kv_ids=kv_ids, sinks=sinks)
 
 
 @torch.library.custom_op("torch_splash::forward", mutates_args=())
@@ -147,8 +151,8 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
     forward's residuals."""
-    inputs = _inputs(q, k, v, q_ids, kv_ids, sinks) + [("q", out), ("lse", lse), ("q", d_out)]
-    transport = _transport.choose([t for _, t in inputs if t is not None], requested_transport or None)
+    inputs = dict(_inputs(q, k, v, q_ids, kv_ids, sinks), out=out, lse=lse, d_out=d_out)
+    transport = _transport.choose([t for t in inputs.values() if t is not None], requested_transport or None)
     grads = _run(plan_number, "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
     dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
     return dq, dk, dv, d_sinks
