@@ -28,14 +28,13 @@ import collections
 import ctypes
 import functools
 import gc
-import os
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, policy
 from . import masks as _masks
 from . import tables as _tables
 from .plan import Plan
@@ -411,16 +410,10 @@ def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKe
 
 
 class _ProgramCache:
-    """The programs of the most recently used plans, with the memory JAX keeps for them bounded.
-
-    A Program's own jitted functions die with it, but JAX's tracing caches also hold entries keyed
-    on the splash module's long-lived jitted kernel (traced jaxprs, abstract evaluations, about
-    three entries per distinct shape) and release them only at their own bounds of 2048 to 4096
-    entries: hundreds of shapes later, about 0.6 MB each. So each time the cache has turned over
-    (as many programs evicted as it holds), JAX's caches are cleared and the freed heap returned
-    to the OS. The live programs then recompile on their next call: at most once per turnover,
-    and never for a workload whose shapes fit in the cache (which evicts nothing).
-    """
+    """The programs of the most recently used plans, with the memory JAX keeps for them bounded:
+    each time the cache has turned over, JAX's caches are cleared and the freed heap returned to
+    the OS (jax_core.policy says why, and how to turn it off). The live programs then recompile on
+    their next call: at most once per turnover, and never for a workload whose shapes fit."""
 
     def __init__(self, size: int):
         self.size = size
@@ -445,7 +438,7 @@ class _ProgramCache:
             turned_over = self._evicted >= self.size
             if turned_over:
                 self._evicted = 0
-        if turned_over:
+        if turned_over and policy.CLEAR_JAX_CACHES:
             _release_jax_caches()
         return found
 
@@ -468,4 +461,4 @@ def _release_jax_caches() -> None:
 
 
 # TORCH_SPLASH_PROGRAM_CACHE_SIZE: how many plans keep their compiled programs (default 128).
-program = _ProgramCache(int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128")))
+program = _ProgramCache(policy.PROGRAMS)

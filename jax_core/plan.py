@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from . import policy
 from .errors import SplashConstraintError
 from .masks import Immutable, MultiHeadMask, shared_structured_mask
 
@@ -322,7 +323,7 @@ def _fit_smem(
             blocks[name] *= 2
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=policy.PLANS)
 def plan_blocks(
     q_len: int,
     kv_len: int,

@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from . import compat
+from . import compat, policy
 from .masks import Mask
 
 _mask_info = compat.splash_modules()[2]
@@ -123,7 +123,7 @@ def _packed(block_mask, data_next, q_sequence) -> _mask_info.MaskInfo:
     )
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=policy.MASK_TABLES)
 def mask_info(
     spec: Mask,
     q_len_padded: int,

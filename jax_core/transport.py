@@ -74,9 +74,10 @@ def lowered(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mo
         return traced.lower(lowering_platforms=(platform,))
 
 
-# TorchTPU: one `jax_op` serves every program. A program reaches it as a number (a static argument,
-# part of TorchTPU's cache key with the shapes); numbers are never reused, so a number cached by
-# TorchTPU can never name another program, and an evicted program is not kept alive here.
+# Programs by number, for caches outside jax_core (torch_xla's in-graph functions, TorchTPU's one
+# `jax_op`, where the number is a static argument and part of TorchTPU's cache key): numbers are
+# never reused, so a cached number can never name another program, and programs are held weakly,
+# so a cache keyed on a number keeps no evicted program alive.
 _NUMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BY_NUMBER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _NEXT_NUMBER = itertools.count()
@@ -91,6 +92,11 @@ def program_number(fn) -> int:
             number = _NUMBERS[fn] = next(_NEXT_NUMBER)
             _BY_NUMBER[number] = fn
         return number
+
+
+def numbered(number: int):
+    """The jitted program `program_number` gave this number (it must still be alive)."""
+    return _BY_NUMBER[number]
 
 
 def numbered_program(tensors: list[jax.Array], program: int) -> list[jax.Array]:

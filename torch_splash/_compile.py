@@ -16,6 +16,7 @@ import operator
 import torch
 
 import jax_core
+from jax_core import policy
 from jax_core.masks import STRUCTURED, Mask
 
 from . import masks as _masks
@@ -51,7 +52,7 @@ def to_source(mask) -> str | None:
     return f"{type(mask).__name__}({', '.join(parts)})"
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=policy.MASK_SOURCES)
 def from_source(source: str) -> Mask:
     """The mask `to_source` wrote: constructor calls of the structured masks on int/None literals."""
 

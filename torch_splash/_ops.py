@@ -15,7 +15,7 @@ import itertools
 import torch
 
 import jax_core
-from jax_core import SplashConstraintError
+from jax_core import SplashConstraintError, policy
 
 from . import _sharding, _transport
 
@@ -26,7 +26,7 @@ from . import _sharding, _transport
 # backward's tensors.
 _REGISTERED_PLANS: dict[int, tuple[jax_core.Plan, _sharding.Sharding | None]] = {}  # least recently used first
 _PLAN_NUMBERS: dict[tuple, int] = {}
-MAX_REGISTERED_PLANS = 1024  # plans can hold dense masks: keep the registry bounded, like jax_core's caches
+MAX_REGISTERED_PLANS = policy.PLAN_REGISTRY
 # Numbers a compiled graph holds as constants: never evicted, since the graph may run again after
 # any number of other configurations. Bounded by the graphs torch.compile keeps.
 _PINNED: set[int] = set()
@@ -82,7 +82,7 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=policy.TABLE_TENSORS)
 def _table_tensors(plan: jax_core.Plan, device: torch.device) -> list[torch.Tensor]:
     return [torch.from_numpy(a).to(device) for a in jax_core.program(plan).tables()]
 

@@ -26,8 +26,8 @@ import os
 
 import torch
 
-from jax_core import SplashConstraintError, compat, mosaic
-from jax_core.transport import from_capsule, hlo_module, numbered_program, program_number
+from jax_core import SplashConstraintError, compat, mosaic, policy
+from jax_core.transport import from_capsule, hlo_module, numbered, numbered_program, program_number
 
 TRANSPORTS = ("dlpack", "graph", "torchtpu")
 # Where each transport's package comes from, for the refusal when it is missing.
@@ -88,7 +88,7 @@ def run(fn, tensors: list[torch.Tensor], transport: str, platform: str) -> list[
     transport."""
     if transport == "graph":
         args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors)
-        return list(_in_graph(fn, args, platform)(list(tensors)))
+        return list(_in_graph(program_number(fn), args, platform)(list(tensors)))
     if transport == "torchtpu":
         tensors = [t.contiguous() for t in tensors]
         version = mosaic.ir_version() if platform == "tpu" else None  # None: interpret kernels have no Mosaic
@@ -98,10 +98,12 @@ def run(fn, tensors: list[torch.Tensor], transport: str, platform: str) -> list[
     return to_torch(out if isinstance(out, (tuple, list)) else [out], tensors[0].device)
 
 
-@functools.lru_cache(maxsize=512)
-def _in_graph(fn, args: tuple, platform: str):
-    """fn at `args` as a function of torch_xla tensors that adds it to the lazy graph. One object
-    per program and shapes: torch_xla then sees the same computation every step and compiles it once."""
+@functools.lru_cache(maxsize=policy.IN_GRAPH)
+def _in_graph(number: int, args: tuple, platform: str):
+    """The program numbered `number` at `args`, as a function of torch_xla tensors that adds it to
+    the lazy graph. One object per program and shapes: torch_xla then sees the same computation
+    every step and compiles it once. Keyed on the number, so the cache keeps no program alive."""
+    fn = numbered(number)
     name = f"splash_{getattr(fn, '__name__', 'program').lstrip('_')}"
     return compat.in_graph_function(name, hlo_module(fn, args, platform))
 

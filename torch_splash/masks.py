@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from jax_core import SplashConstraintError
+from jax_core import SplashConstraintError, policy
 from jax_core.masks import (
     STRUCTURED,
     CausalMask,
@@ -167,7 +167,7 @@ def from_mask_mod(fn) -> MaskMod:
     return MaskMod(fn)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=policy.MASK_MODS)
 def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
     h = torch.arange(heads).view(heads, 1, 1)
     q = torch.arange(q_len).view(1, q_len, 1)
