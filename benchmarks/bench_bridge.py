@@ -48,18 +48,7 @@ def contenders(batch, heads, length, dim):
     q, k, v = (torch.randn(batch, heads, length, dim, generator=g) for _ in range(3))
     do = torch.randn(batch, heads, length, dim, generator=g)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    plan = jax_core.plan(
-        batch=batch,
-        num_q_heads=heads,
-        num_kv_heads=heads,
-        q_len=length,
-        kv_len=length,
-        head_dim=dim,
-        head_dim_v=dim,
-        dtype="float32",
-        mask=jax_core.CausalMask(0),
-        scale=dim**-0.5,
-    )
+    plan = jax_core.plan(batch=batch, num_q_heads=heads, q_len=length, head_dim=dim, mask=jax_core.CausalMask(0))
     splash = jax_core.program(plan).kernel  # the splash kernel the bridge runs, vmapped over batch as it does
 
     def kernel(q, k, v):

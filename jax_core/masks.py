@@ -122,6 +122,14 @@ class Mask(Immutable):
         raise SplashConstraintError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
 
 
+def not_a_mask(value) -> SplashConstraintError:
+    """The refusal of a non-mask operand of & or | (the torch side's masks raise it too)."""
+    return SplashConstraintError(
+        f"cannot combine a mask with {type(value).__name__}: combine torch_splash.masks masks (a bool tensor "
+        "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod)."
+    )
+
+
 def _combine(op, left, right):
     """`left op right` for masks. A per-head mask combines head by head, so every composition stays
     a mask of one head each; a mask-like object of the torch side (a mask_mod, resolved at call
@@ -130,10 +138,7 @@ def _combine(op, left, right):
         if getattr(side, "composes_with_masks", False) and not isinstance(side, Mask):
             return NotImplemented
         if not isinstance(side, Mask):
-            raise SplashConstraintError(
-                f"cannot combine a mask with {type(side).__name__}: combine torch_splash.masks masks (a bool tensor "
-                "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod)."
-            )
+            raise not_a_mask(side)
     if isinstance(left, MultiHeadMask) or isinstance(right, MultiHeadMask):
         heads = [m.masks if isinstance(m, MultiHeadMask) else None for m in (left, right)]
         count = {len(h) for h in heads if h is not None}

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import policy
 from .errors import SplashConstraintError
-from .masks import Immutable, MultiHeadMask, shared_structured_mask
+from .masks import FullMask, Immutable, MultiHeadMask, shared_structured_mask
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
@@ -366,16 +366,16 @@ def plan_blocks(
 
 def plan(
     *,
-    batch: int,
-    num_q_heads: int,
-    num_kv_heads: int,
     q_len: int,
-    kv_len: int,
-    head_dim: int,
-    head_dim_v: int,
-    dtype: str,
-    mask,
-    scale: float,
+    num_q_heads: int = 1,
+    head_dim: int = LANES,
+    batch: int = 1,
+    num_kv_heads: int | None = None,
+    kv_len: int | None = None,
+    head_dim_v: int | None = None,
+    dtype: str = "float32",
+    mask=None,
+    scale: float | None = None,
     soft_cap: float | None = None,
     has_segment_ids: bool = False,
     block_sizes: BlockSizes | None = None,
@@ -391,7 +391,15 @@ def plan(
     attending its rows to every key: the plan is one shard's, and the shards' positions
     (`Plan.shard_positions`) and block tables become data of the program, not constants. With
     head_shards > 1, num_q_heads and num_kv_heads are one device's heads of that many: a per-head
-    mask then has a mask for every device's heads, and its tables are data too."""
+    mask then has a mask for every device's heads, and its tables are data too.
+
+    Left out (as callers other than the torch side may): MHA, Lkv = Lq, Dv = D, float32, no mask,
+    scale 1/sqrt(D)."""
+    num_kv_heads = num_q_heads if num_kv_heads is None else num_kv_heads
+    kv_len = q_len if kv_len is None else kv_len
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    mask = FullMask() if mask is None else mask
+    scale = head_dim**-0.5 if scale is None else scale
     if block_sizes is None:
         block_sizes = BlockSizes()
     elif not isinstance(block_sizes, BlockSizes):

@@ -86,16 +86,10 @@ def test_second_call_traces_nothing():
 
 def test_backward_runs_only_the_backward_kernels():
     plan = jax_core.plan(
-        batch=1,
         num_q_heads=2,
-        num_kv_heads=2,
         q_len=200,
-        kv_len=200,
         head_dim=64,
-        head_dim_v=64,
-        dtype="float32",
         mask=jax_core.CausalMask(0),
-        scale=0.125,
         block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=False),
     )
     program = jax_core.program(plan)

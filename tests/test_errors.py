@@ -240,19 +240,7 @@ def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
         block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048
     )
     assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
-    plan = jax_core.plan(
-        batch=1,
-        num_q_heads=2,
-        num_kv_heads=2,
-        q_len=100,
-        kv_len=512,
-        head_dim=64,
-        head_dim_v=64,
-        dtype="float32",
-        mask=jax_core.FullMask(),
-        scale=1.0,
-        block_sizes=blocks,
-    )
+    plan = jax_core.plan(num_q_heads=2, q_len=100, kv_len=512, head_dim=64, block_sizes=blocks)
     assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
     assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128
 

@@ -64,12 +64,8 @@ def test_sinks_lower_for_tpu():
         num_q_heads=8,
         num_kv_heads=2,
         q_len=1024,
-        kv_len=1024,
-        head_dim=128,
-        head_dim_v=128,
         dtype="bfloat16",
         mask=CausalMask(0),
-        scale=0.1,
         platform="tpu",
         has_sinks=True,
     )

@@ -150,7 +150,7 @@ def _segments(structure: _Structure, batch_size, q_length, kv_length, q_offset, 
     return q_ids, kv_ids
 
 
-def _structured(left, right, offset: int) -> _masks.Mask:
+def _window_mask(left, right, offset: int) -> _masks.Mask:
     if left is None:
         return _masks.FullMask() if right is None else _masks.CausalMask(offset + right)
     return _masks.LocalMask(left, right, offset)
@@ -200,7 +200,7 @@ def splash_mask(
         return _decode_mask(
             batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right, same_segment, kv_valid, device
         )
-    mask = _structured(structure.left, structure.right, q_offset - kv_offset)
+    mask = _window_mask(structure.left, structure.right, q_offset - kv_offset)
     if segments is None and kv_valid is None:
         return SplashMask(mask)
     q_ids, kv_ids = (

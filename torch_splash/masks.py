@@ -37,6 +37,7 @@ from jax_core.masks import (
     Mask,
     MultiHeadMask,
     PrefixMask,
+    not_a_mask,
 )
 
 __all__ = [
@@ -83,9 +84,15 @@ def from_tensor(mask: torch.Tensor) -> Mask:
     array = mask.detach().cpu().numpy()
     if array.ndim == 2:
         return DenseMask(array)
-    if array.shape[0] == 1 or (array == array[:1]).all():
+    if identical_along_first(mask):
         return DenseMask(array[0])
     return MultiHeadMask(tuple(DenseMask(m) for m in array))
+
+
+def identical_along_first(t: torch.Tensor) -> bool:
+    """Whether every slice of `t` along its first axis (heads, or batch) equals the first: the test
+    that collapses a per-head (or per-batch) mask into one."""
+    return t.shape[0] == 1 or bool((t == t[:1]).all())
 
 
 class _Deferred(Immutable):
@@ -115,10 +122,7 @@ class _Deferred(Immutable):
 def _operand(value):
     if isinstance(value, (Mask, _Deferred)):
         return value
-    raise SplashConstraintError(
-        f"cannot combine a mask with {type(value).__name__}: combine torch_splash.masks masks (a bool tensor goes "
-        "through masks.from_tensor)."
-    )
+    raise not_a_mask(value)
 
 
 @dataclasses.dataclass(unsafe_hash=True)

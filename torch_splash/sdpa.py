@@ -53,7 +53,7 @@ def _bool_mask(attn_mask: torch.Tensor) -> torch.Tensor:
     return ~blocked
 
 
-def _structured(mask2d: torch.Tensor) -> _masks.Mask:
+def _structure_of(mask2d: torch.Tensor) -> _masks.Mask:
     """A structured mask equal to this (Lq, Lkv) bool mask, if there is one (no table needed)."""
     q_len, kv_len = mask2d.shape
     if mask2d.all():
@@ -68,9 +68,9 @@ def _structured(mask2d: torch.Tensor) -> _masks.Mask:
 
 def _shared_mask(mask: torch.Tensor) -> _masks.Mask:
     """(1 or H, Lq, Lkv) -> one mask, or one per head."""
-    if mask.shape[0] == 1 or all(torch.equal(mask[0], m) for m in mask[1:]):
-        return _structured(mask[0])
-    return _masks.MultiHeadMask(tuple(_structured(m) for m in mask))
+    if _masks.identical_along_first(mask):
+        return _structure_of(mask[0])
+    return _masks.MultiHeadMask(tuple(_structure_of(m) for m in mask))
 
 
 def _reject_like_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> None:
@@ -178,7 +178,7 @@ def masked_attention(query, key, value, attn_mask, **options):
     # Keep the broadcast head axis at size 1 when the mask does not vary over heads.
     if attn_mask.dim() < 3 or attn_mask.shape[-3] == 1:
         mask = mask[:, :1]
-    if mask.shape[0] == 1 or all(torch.equal(mask[0], m) for m in mask[1:]):
+    if _masks.identical_along_first(mask):  # the same mask for every batch element
         return attention(query, key, value, _shared_mask(mask[0]), **options)
     # Batch-varying: key padding (a per-batch set of valid keys over one shared mask) is segment ids.
     valid = mask.any(dim=(1, 2))  # (B, Lkv)
