@@ -49,11 +49,11 @@ install() {
 }
 
 # libtpu, for the TPU compile checks only (tests/test_tpu_compile.py, benchmarks/bench_tpu_memory.py):
-# the release torch_xla's `tpu` extra pins (jax_core/mosaic.py), in a folder of its own that only
+# the release torch_xla's `tpu` extra pins (torch_splash_jax/mosaic.py), in a folder of its own that only
 # those checks' own processes put on their path, so JAX never takes it for a backend elsewhere.
 install_libtpu() {
   local release
-  release=$(.venv/bin/python -c 'import runpy; print(runpy.run_path("jax_core/mosaic.py")["PINNED_LIBTPU"])')
+  release=$(.venv/bin/python -c 'import runpy; print(runpy.run_path("torch_splash_jax/mosaic.py")["PINNED_LIBTPU"])')
   if [ ! -f ".venv/libtpu/.installed-$release" ]; then
     echo "[dev.sh] installing libtpu==$release into .venv/libtpu (for the TPU compile checks)" >&2
     rm -rf .venv/libtpu

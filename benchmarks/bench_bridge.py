@@ -29,8 +29,8 @@ import report  # benchmarks/report.py: results files and their tables
 import torch
 import torch.nn.functional as F
 
-import jax_core
 import torch_splash
+import torch_splash_jax
 from torch_splash import _transport
 
 
@@ -48,8 +48,10 @@ def contenders(batch, heads, length, dim):
     q, k, v = (torch.randn(batch, heads, length, dim, generator=g) for _ in range(3))
     do = torch.randn(batch, heads, length, dim, generator=g)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    plan = jax_core.plan(batch=batch, num_q_heads=heads, q_len=length, head_dim=dim, mask=jax_core.CausalMask(0))
-    splash = jax_core.program(plan).kernel  # the splash kernel the bridge runs, vmapped over batch as it does
+    plan = torch_splash_jax.plan(
+        batch=batch, num_q_heads=heads, q_len=length, head_dim=dim, mask=torch_splash_jax.CausalMask(0)
+    )
+    splash = torch_splash_jax.program(plan).kernel  # the splash kernel the bridge runs, vmapped over batch as it does
 
     def kernel(q, k, v):
         return jax.vmap(splash)(q, k, v)

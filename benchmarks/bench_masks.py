@@ -1,7 +1,7 @@
 """Block tables for long context, and the cost of a sliding window as L grows, in one run.
 
 1. Building the block tables (MaskInfo) a call needs (forward and dkv, 512 blocks, one mask shared
-   by the heads): `jax_core.tables` vs JAX's own `_process_mask` on the same mask and blocks.
+   by the heads): `torch_splash_jax.tables` vs JAX's own `_process_mask` on the same mask and blocks.
    Targets: 128K causal and 128K sliding-window (4096) tables under 1 s each; >= 20x faster than
    JAX at 32K. Then the same for a per-head mask (4 heads: causal, local 1024, causal, chunked
    4096), whose partial blocks are stored: target >= 20x faster than JAX at 32K, 128K under 10 s.
@@ -28,7 +28,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as jax_info
 
 import torch_splash
-from jax_core import masks, tables
+from torch_splash_jax import masks, tables
 
 BLOCK = 512
 

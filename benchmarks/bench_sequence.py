@@ -35,9 +35,9 @@ HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def blocks_per_device(length: int, shards: int, layout: str) -> list[int]:
-    import jax_core
+    import torch_splash_jax
 
-    plan = jax_core.plan(
+    plan = torch_splash_jax.plan(
         batch=1,
         num_q_heads=HEADS,
         num_kv_heads=KV_HEADS,
@@ -46,13 +46,13 @@ def blocks_per_device(length: int, shards: int, layout: str) -> list[int]:
         head_dim=HEAD_DIM,
         head_dim_v=HEAD_DIM,
         dtype="bfloat16",
-        mask=jax_core.CausalMask(),
+        mask=torch_splash_jax.CausalMask(),
         scale=HEAD_DIM**-0.5,
         platform="tpu",
         q_shards=shards,
         sequence_layout=layout,
     )
-    return jax_core.Program(plan).blocks_per_shard()
+    return torch_splash_jax.Program(plan).blocks_per_shard()
 
 
 def _worker(args: list[str], env: dict) -> list[dict]:
@@ -66,7 +66,7 @@ def _worker(args: list[str], env: dict) -> list[dict]:
 
 def tpu_memory(chips: int, steps: list[tuple[str, int]]) -> list[dict]:
     """Per-device HBM of each (mask, L) step, in a process with `chips` SPMD devices and libtpu loaded."""
-    from jax_core import aot
+    from torch_splash_jax import aot
 
     env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips))

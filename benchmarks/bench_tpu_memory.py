@@ -86,7 +86,7 @@ def measure(
 ) -> dict:
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
     names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
-    from jax_core import SplashConstraintError, aot
+    from torch_splash_jax import SplashConstraintError, aot
 
     try:
         text = step_hlo(length, use_splash, shards, layout, mask)
@@ -122,8 +122,8 @@ def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -
 
 
 def run(quick: bool) -> dict:
-    from jax_core import aot, mosaic
     from torch_splash import _transport
+    from torch_splash_jax import aot, mosaic
 
     _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
     generations = ["v5e"] if quick else ["v5e", "v6e"]
@@ -165,7 +165,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="L=2K on v5e only")
     args = parser.parse_args()
     if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
-        from jax_core import aot
+        from torch_splash_jax import aot
 
         env = aot.environment(_libtpu_dir())
         env["PJRT_DEVICE"] = "CPU"

@@ -38,7 +38,7 @@ def machine() -> str:
 
 def stack() -> str:
     """The Python and packages a run used: which tested set (locks/) produced it."""
-    from jax_core import compat
+    from torch_splash_jax import compat
 
     names = ("torch", "torch_xla", "torch-tpu", "jax", "transformers")
     packages = [f"{name} {compat.installed(name)}" for name in names if compat.installed(name)]
@@ -101,7 +101,7 @@ def _bridge(r: dict) -> str:
 
 
 def _masks(r: dict) -> str:
-    lines = ["| mask | L | jax_core.tables | JAX _process_mask | speedup |", "|---|---|---|---|---|"]
+    lines = ["| mask | L | torch_splash_jax.tables | JAX _process_mask | speedup |", "|---|---|---|---|---|"]
     for row in r["tables"]:
         jax_s = f"{row['jax_s']:.3f} s" if "jax_s" in row else "not run"
         speed = f"{row['speedup']:.0f}x" if "speedup" in row else ""
@@ -109,7 +109,8 @@ def _masks(r: dict) -> str:
     if "per_head_tables" in r:
         lines += [
             "",
-            "| per-head mask, 4 heads (stored partial blocks) | L | jax_core.tables | JAX _process_mask | speedup |",
+            "| per-head mask, 4 heads (stored partial blocks) | L | torch_splash_jax.tables | JAX _process_mask "
+            "| speedup |",
             "|---|---|---|---|---|",
         ]
         for row in r["per_head_tables"]:
@@ -244,7 +245,7 @@ SECTIONS = {
     ),
     "masks": (
         "Block tables for long context, and a sliding window as L grows (CPU)",
-        "Building the block tables a call needs (forward and dkv, 512 blocks) with jax_core.tables vs JAX's "
+        "Building the block tables a call needs (forward and dkv, 512 blocks) with torch_splash_jax.tables vs JAX's "
         "own _process_mask on the same mask (targets: 128K tables under 1 s; >= 20x faster than JAX at 32K), "
         "and for a mask of one structured mask per head, whose partial blocks are stored (>= 20x at 32K); "
         "then the forward of a 1024-token sliding window (B=1, H=2, D=64, no grad), which should grow about "

@@ -18,8 +18,8 @@ import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-import jax_core  # noqa: E402
 import torch_splash  # noqa: E402
+import torch_splash_jax  # noqa: E402
 from torch_splash import _ops, api  # noqa: E402
 
 CASES = {
@@ -104,7 +104,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
     sharding = _sharding.check(spec, mesh, call, None, layout)
     call = sharding.spread_single_kv_head(call)
     plan = api._plan(call, None, "tpu", sharding)
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     shapes = [
         (plan.batch, h, length, d)
         for h, length, d in (

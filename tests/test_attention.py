@@ -174,11 +174,11 @@ def test_segment_ids_of_any_integer_dtype():
 
 
 def test_backward_after_the_program_cache_evicted_the_forward_s_program():
-    import jax_core
+    import torch_splash_jax
 
     q, k, v = make_qkv(1, 4, 2, 100, 100, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v, "causal", segment_ids=torch.zeros(1, 100, dtype=torch.int32))
-    jax_core.program.cache_clear()  # as if more than the cache's worth of other shapes ran since
+    torch_splash_jax.program.cache_clear()  # as if more than the cache's worth of other shapes ran since
     out.sum().backward()
     q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
     torch_splash.attention(q2, k2, v2, "causal", segment_ids=torch.zeros(1, 100, dtype=torch.int32)).sum().backward()

@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import assert_matches_reference, make_qkv
 
-import jax_core
 import torch_splash
 import torch_splash._ops as ops
+import torch_splash_jax
 from torch_splash import _transport
 from torch_splash.masks import CausalMask
 
@@ -37,7 +37,7 @@ def test_dlpack_is_zero_copy_both_ways_on_xla_device(xla_device):
 def test_kernel_reads_the_callers_buffers(monkeypatch):
     """Contiguous inputs reach the jitted program as the very buffers torch allocated."""
     seen = {}
-    real_program = jax_core.program
+    real_program = torch_splash_jax.program
 
     class Spy:
         def __init__(self, program):
@@ -54,7 +54,7 @@ def test_kernel_reads_the_callers_buffers(monkeypatch):
             seen["infer"] = [a.unsafe_buffer_pointer() for a in arrays]
             return self.program.infer(*arrays)
 
-    monkeypatch.setattr(ops.jax_core, "program", lambda plan: Spy(real_program(plan)))
+    monkeypatch.setattr(ops.torch_splash_jax, "program", lambda plan: Spy(real_program(plan)))
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, 64, torch.float32)
     out = torch_splash.attention(q, k, v)
     assert seen["forward"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
@@ -75,24 +75,24 @@ def test_non_contiguous_inputs_like_hf_transposed_views():
 def test_second_call_traces_nothing():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 64, 64, torch.float32, seed=3)
     torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    before = dict(jax_core.TRACES)
+    before = dict(torch_splash_jax.TRACES)
     for _ in range(2):
         torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    assert dict(jax_core.TRACES) == before
+    assert dict(torch_splash_jax.TRACES) == before
     torch_splash.attention(q, k, v, "causal", scale=0.5).sum().backward()  # a new option is a new program
-    assert jax_core.TRACES["forward"] == before["forward"] + 1
-    assert jax_core.TRACES["backward"] == before["backward"] + 1
+    assert torch_splash_jax.TRACES["forward"] == before["forward"] + 1
+    assert torch_splash_jax.TRACES["backward"] == before["backward"] + 1
 
 
 def test_backward_runs_only_the_backward_kernels():
-    plan = jax_core.plan(
+    plan = torch_splash_jax.plan(
         num_q_heads=2,
         q_len=200,
         head_dim=64,
-        mask=jax_core.CausalMask(0),
-        block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=False),
+        mask=torch_splash_jax.CausalMask(0),
+        block_sizes=torch_splash_jax.BlockSizes(use_fused_bwd_kernel=False),
     )
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((1, 2, 200, 64), "float32")] * 3
     out, lse = jax.eval_shape(program.forward, *args)
     backward = str(jax.make_jaxpr(program.backward)(*args, out, lse, out))

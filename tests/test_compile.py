@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 from helpers import forward_backward, make_qkv
 
-import jax_core
 import torch_splash
+import torch_splash_jax
 from torch_splash import _compile, masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
 
@@ -175,7 +175,7 @@ def test_opcheck(op):
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, 56, 32, 32, torch.float32))
     ids = (torch.ones(2, 40, dtype=torch.int32), (torch.arange(56) < 50).int().expand(2, 56).contiguous())
     plan = ops.register_plan(
-        ops.jax_core.plan(
+        ops.torch_splash_jax.plan(
             batch=2,
             num_q_heads=4,
             num_kv_heads=2,
@@ -213,5 +213,5 @@ def test_a_compiled_graph_outlives_any_number_of_other_configurations():
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True)
     first = fn(q, k, v)
     for length in range(1, _ops.MAX_REGISTERED_PLANS + 100):  # plans only: registering builds no program
-        _ops.register_plan(jax_core.plan(q_len=length, head_dim=8, mask=jax_core.CausalMask(0)))
+        _ops.register_plan(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
     torch.testing.assert_close(fn(q, k, v), first, atol=0, rtol=0)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import assert_matches_reference, make_qkv
 
-import jax_core
 import torch_splash
+import torch_splash_jax
 from torch_splash import BlockSizes, SplashConstraintError, SplashDtypeError
 
 
@@ -17,7 +17,7 @@ def no_jax_work(monkeypatch):
     def refuse(plan):
         raise AssertionError("JAX work started before the error")
 
-    monkeypatch.setattr(ops.jax_core, "program", refuse)
+    monkeypatch.setattr(ops.torch_splash_jax, "program", refuse)
 
 
 def qkv(hq=4, hkv=2, q_len=16, kv_len=16, d=64, dv=64, dtype=torch.float32, batch=2):
@@ -240,7 +240,7 @@ def test_seed_block_larger_than_sequence_is_clamped(monkeypatch):
         block_q=1024, block_kv=1024, block_q_dq=1024, block_kv_dq=1024, block_q_dkv=2048, block_kv_dkv=2048
     )
     assert_matches_reference(q, k, v, "causal", block_sizes=blocks)
-    plan = jax_core.plan(num_q_heads=2, q_len=100, kv_len=512, head_dim=64, block_sizes=blocks)
+    plan = torch_splash_jax.plan(num_q_heads=2, q_len=100, kv_len=512, head_dim=64, block_sizes=blocks)
     assert plan.block_sizes()["block_kv"] == plan.block_sizes()["block_kv_dq"] == 512
     assert plan.block_sizes()["block_q"] == 128 and plan.q_len_padded == 128
 

@@ -156,17 +156,17 @@ def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, monkey
 
 
 def test_an_evicted_program_is_not_kept_alive_by_the_in_graph_cache(xla_device):
-    """torch_xla's computations are cached per program number (jax_core.policy.IN_GRAPH), not per
-    program: once jax_core's cache drops a program, nothing of torch_splash keeps it."""
+    """torch_xla's computations are cached per program number (torch_splash_jax.policy.IN_GRAPH), not per
+    program: once torch_splash_jax's cache drops a program, nothing of torch_splash keeps it."""
     import gc
     import weakref
 
-    import jax_core
+    import torch_splash_jax
 
     q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 72, 72, 32, 32, torch.float32, device=xla_device))
     torch_splash.attention(q, k, v, "causal", transport="graph")
-    programs = [weakref.ref(p) for p in jax_core.program._programs.values()]
+    programs = [weakref.ref(p) for p in torch_splash_jax.program._programs.values()]
     assert programs
-    jax_core.program.cache_clear()
+    torch_splash_jax.program.cache_clear()
     gc.collect()
     assert all(ref() is None for ref in programs)

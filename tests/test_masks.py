@@ -158,7 +158,7 @@ def test_every_mask_kind_composes_with_every_other(left, right, op):
 
 
 def test_prefix_lm_stays_structured_and_skips_blocks():
-    from jax_core import tables
+    from torch_splash_jax import tables
 
     mask = CausalMask(0) | torch_splash.masks.PrefixMask(700)
     assert torch_splash._compile.to_source(mask) == "Or(CausalMask(0), PrefixMask(700))"  # crosses torch.compile
@@ -186,7 +186,7 @@ def test_floor_division_inside_the_kernel_equals_numpy_s_for_every_sign():
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_core.masks import _floor_div
+    from torch_splash_jax.masks import _floor_div
 
     x = np.arange(-600, 600, dtype=np.int32)
     for divisor in (1, 3, 7, 128, 4096):

@@ -3,7 +3,7 @@ pipeline with varied lengths) stops growing once the program cache has turned ov
 
 What used to grow: JAX's tracing caches keyed on the splash module's long-lived jitted kernel, about
 25 live jaxprs and 0.6 MB of RSS per new shape, released only at JAX's own bounds (thousands of
-entries). jax_core's program cache clears them each time it has turned over."""
+entries). torch_splash_jax's program cache clears them each time it has turned over."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The Mosaic IR version rule (jax_core/mosaic.py): decided from the libtpu torch_xla loads, never
+"""The Mosaic IR version rule (torch_splash_jax/mosaic.py): decided from the libtpu torch_xla loads, never
 from JAX's guess about its own backend. What each libtpu reads was measured by compiling; the
 compile check (test_tpu_compile.py) proves the pinned libtpu accepts the chosen version."""
 
@@ -6,8 +6,8 @@ import datetime
 
 import pytest
 
-from jax_core import compat, mosaic
 from torch_splash import SplashConstraintError
+from torch_splash_jax import compat, mosaic
 
 
 @pytest.fixture(autouse=True)

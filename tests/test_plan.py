@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jax_core
-from jax_core.plan import LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
+import torch_splash_jax
+from torch_splash_jax.plan import LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
 
 lengths = st.integers(1, 70_000)
 maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
@@ -20,7 +20,7 @@ def user_blocks(draw):
         if fused
         else dict(block_q_dq=draw(st.none() | st.sampled_from([128, 256, 512])), block_kv_dq=draw(maybe_kv_block))
     )
-    return jax_core.BlockSizes(
+    return torch_splash_jax.BlockSizes(
         block_q=draw(maybe_q_block),
         block_kv=draw(maybe_kv_block),
         block_q_dkv=draw(st.none() | st.sampled_from([128, 512])),
@@ -42,7 +42,7 @@ def user_blocks(draw):
 def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform, head_dim):
     try:
         q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
-    except jax_core.SplashConstraintError as refused:
+    except torch_splash_jax.SplashConstraintError as refused:
         # only on TPU: explicit blocks too large for VMEM, or too small for the tables to fit SMEM
         assert platform == "tpu" and ("do not fit the TPU's VMEM" in str(refused) or "SMEM holds" in str(refused))
         return
@@ -71,36 +71,40 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
         given_value = getattr(user, field)
         if given_value is not None:
             assert b[field] == min(given_value, -(-(q_len if "q" in field.split("_")[1] else kv_len) // LANES) * LANES)
-    if user == jax_core.BlockSizes():  # planned blocks waste at most 1/8 of the 128-aligned length
+    if user == torch_splash_jax.BlockSizes():  # planned blocks waste at most 1/8 of the 128-aligned length
         for length, padded in ((q_len, q_pad), (kv_len, kv_pad)):
             aligned = -(-length // LANES) * LANES
             assert padded - aligned <= aligned // 8
 
 
 def test_planned_blocks_prefer_large_sizes():
-    q_pad, kv_pad, blocks = plan_blocks(4096, 4096, jax_core.BlockSizes(), "cpu")
+    q_pad, kv_pad, blocks = plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(), "cpu")
     assert (q_pad, kv_pad) == (4096, 4096)
     assert dict(blocks)["block_q"] == dict(blocks)["block_kv"] == 512
-    assert plan_blocks(1, 1, jax_core.BlockSizes(), "cpu")[:2] == (128, 128)
-    assert plan_blocks(1000, 1000, jax_core.BlockSizes(), "cpu")[:2] == (1024, 1024)
+    assert plan_blocks(1, 1, torch_splash_jax.BlockSizes(), "cpu")[:2] == (128, 128)
+    assert plan_blocks(1000, 1000, torch_splash_jax.BlockSizes(), "cpu")[:2] == (1024, 1024)
 
 
 def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
-    with pytest.raises(jax_core.SplashConstraintError, match=r"block_sizes.block_q_dq=2048.*dq kernel's q block"):
-        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dq=2048, block_kv_dq=512), "tpu", 128)
+    with pytest.raises(
+        torch_splash_jax.SplashConstraintError, match=r"block_sizes.block_q_dq=2048.*dq kernel's q block"
+    ):
+        plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q_dq=2048, block_kv_dq=512), "tpu", 128)
     # explicit: refused before any JAX work, naming the caller's fields (the TPU compiler's limit)
     with pytest.raises(
-        jax_core.SplashConstraintError,
+        torch_splash_jax.SplashConstraintError,
         match=r"block_sizes.block_q=2048, block_sizes.block_kv=2048: the forward kernel's blocks",
     ):
-        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=2048), "tpu", 128)
-    with pytest.raises(jax_core.SplashConstraintError, match=r"block_q_dkv=1024, block_sizes.block_kv_dkv=1024"):
-        plan_blocks(4096, 4096, jax_core.BlockSizes(block_q_dkv=1024, block_kv_dkv=1024), "tpu", 512)
+        plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q=2048, block_kv=2048), "tpu", 128)
+    with pytest.raises(
+        torch_splash_jax.SplashConstraintError, match=r"block_q_dkv=1024, block_sizes.block_kv_dkv=1024"
+    ):
+        plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q_dkv=1024, block_kv_dkv=1024), "tpu", 512)
     # at the edge it is allowed (tests/test_tpu_compile.py compiles it), and the CPU has no VMEM rule
-    plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=1024), "tpu", 128)
-    plan_blocks(4096, 4096, jax_core.BlockSizes(block_q=2048, block_kv=2048), "cpu", 128)
+    plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q=2048, block_kv=1024), "tpu", 128)
+    plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q=2048, block_kv=2048), "cpu", 128)
     # planned blocks shrink for very large head dims
-    blocks = dict(plan_blocks(4096, 4096, jax_core.BlockSizes(), "tpu", 2048)[2])
+    blocks = dict(plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(), "tpu", 2048)[2])
     for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
         assert blocks[q_name] * blocks[kv_name] * 2048 <= 1 << 28
 
@@ -112,14 +116,16 @@ def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
             for q, kv in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv"))
         ]
 
-    assert dict(plan_blocks(262144, 262144, jax_core.BlockSizes(), "tpu", 128)[2])["block_q"] == 512
+    assert dict(plan_blocks(262144, 262144, torch_splash_jax.BlockSizes(), "tpu", 128)[2])["block_q"] == 512
     for length, heads in ((393216, 1), (524288, 1), (131072, 16)):
-        blocks = dict(plan_blocks(length, length, jax_core.BlockSizes(), "tpu", 128, heads)[2])
+        blocks = dict(plan_blocks(length, length, torch_splash_jax.BlockSizes(), "tpu", 128, heads)[2])
         assert max(entries(length, blocks, heads)) <= SMEM_TABLE_ENTRIES
-    with pytest.raises(jax_core.SplashConstraintError, match=r"Lq=1048576, Lkv=1048576 .* SMEM"):
-        plan_blocks(1 << 20, 1 << 20, jax_core.BlockSizes(), "tpu", 128)
-    with pytest.raises(jax_core.SplashConstraintError, match=r"with block_sizes.block_q=512, block_sizes.block_kv=512"):
-        plan_blocks(393216, 393216, jax_core.BlockSizes(block_q=512, block_kv=512), "tpu", 128)
+    with pytest.raises(torch_splash_jax.SplashConstraintError, match=r"Lq=1048576, Lkv=1048576 .* SMEM"):
+        plan_blocks(1 << 20, 1 << 20, torch_splash_jax.BlockSizes(), "tpu", 128)
+    with pytest.raises(
+        torch_splash_jax.SplashConstraintError, match=r"with block_sizes.block_q=512, block_sizes.block_kv=512"
+    ):
+        plan_blocks(393216, 393216, torch_splash_jax.BlockSizes(block_q=512, block_kv=512), "tpu", 128)
 
 
 def test_stored_mask_tables_keep_to_the_smem_that_compiled():
@@ -127,18 +133,18 @@ def test_stored_mask_tables_keep_to_the_smem_that_compiled():
     to 2**18 entries (16 heads at 128K) was refused by the TPU compiler for SMEM, so stored tables
     keep to 3/5 of the entries. One v5e chip then cannot hold 16 per-head tables at 128K (the error
     says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can."""
-    from jax_core.plan import SMEM_STORED_TABLE_ENTRIES
+    from torch_splash_jax.plan import SMEM_STORED_TABLE_ENTRIES
 
-    per_head = jax_core.MultiHeadMask([jax_core.CausalMask(), jax_core.LocalMask(4095, 0)] * 8)
+    per_head = torch_splash_jax.MultiHeadMask([torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 8)
     common = dict(batch=1, num_q_heads=16, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype="bfloat16")
     common.update(scale=0.1, platform="tpu", kv_len=131072, q_len=131072)
     with pytest.raises(
-        jax_core.SplashConstraintError,
+        torch_splash_jax.SplashConstraintError,
         match=r"stored mask blocks add a table.*one mask for all heads.*shard the query sequence",
     ):
-        jax_core.plan(mask=per_head, **common)
-    jax_core.plan(mask=jax_core.CausalMask(), **common)  # one shared table: fits
-    sharded = jax_core.plan(mask=per_head, q_shards=4, sequence_layout="balanced", **common)
+        torch_splash_jax.plan(mask=per_head, **common)
+    torch_splash_jax.plan(mask=torch_splash_jax.CausalMask(), **common)  # one shared table: fits
+    sharded = torch_splash_jax.plan(mask=per_head, q_shards=4, sequence_layout="balanced", **common)
     blocks = sharded.block_sizes()
     for q, kv in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
         assert 16 * (sharded.q_len_padded // blocks[q]) * (131072 // blocks[kv]) <= SMEM_STORED_TABLE_ENTRIES

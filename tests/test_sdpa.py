@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import make_qkv
 
-import jax_core
 import torch_splash
+import torch_splash_jax
 from torch_splash import SplashConstraintError
 
 SDPA = F.scaled_dot_product_attention
@@ -74,7 +74,7 @@ def test_causal_patterns_become_structured_masks():
         both(q, k, v, attn_mask=torch.ones(50, 80, dtype=torch.bool))
     finally:
         torch_splash.sdpa.attention = original
-    assert seen[0] == jax_core.CausalMask(30) and seen[1] == jax_core.FullMask()
+    assert seen[0] == torch_splash_jax.CausalMask(30) and seen[1] == torch_splash_jax.FullMask()
 
 
 def test_batch_varying_key_padding_is_served_with_segment_ids(monkeypatch):

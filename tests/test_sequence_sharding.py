@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_core
-from jax_core import SplashConstraintError
-from jax_core import masks as M
+import torch_splash_jax
+from torch_splash_jax import SplashConstraintError
+from torch_splash_jax import masks as M
 
 MASKS = {
     "causal": M.CausalMask(),
@@ -41,8 +41,8 @@ def _plans(mask, length, shards, layout, head_shards=1, **options):
     common = dict(
         batch=2, kv_len=length, q_len=length, head_dim=32, head_dim_v=32, dtype="float32", mask=mask, scale=0.2
     )
-    full = jax_core.plan(num_q_heads=4, num_kv_heads=kv_heads, **common, **options)
-    sharded = jax_core.plan(
+    full = torch_splash_jax.plan(num_q_heads=4, num_kv_heads=kv_heads, **common, **options)
+    sharded = torch_splash_jax.plan(
         num_q_heads=4 // head_shards,
         num_kv_heads=max(kv_heads // head_shards, 1),
         q_shards=shards,
@@ -68,7 +68,7 @@ def _devices_reproduce_the_unsharded_call(
         kv_heads=kv_heads,
         has_segment_ids=ids,
         has_sinks=sinks,
-        block_sizes=jax_core.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128),
+        block_sizes=torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128),
     )
     rng = np.random.default_rng(0)
     q, k, v, d_out = (
@@ -78,11 +78,11 @@ def _devices_reproduce_the_unsharded_call(
     doc = jnp.asarray(np.stack([np.arange(length) // 300, np.arange(length) // 170]), jnp.int32)
     extra = [doc, doc] if ids else []
     sink = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
-    whole = jax_core.program(full)
+    whole = torch_splash_jax.program(full)
     out, lse = whole.forward(q, k, v, *extra, *([] if sink is None else [sink]))
     grads = whole.backward(q, k, v, *extra, *([] if sink is None else [sink]), out, lse, d_out)
 
-    program = jax_core.program(sharded)
+    program = torch_splash_jax.program(sharded)
     assert program.sharded
     rows = sharded.shard_positions()[:, : sharded.q_len]
     assert sorted(rows.reshape(-1).tolist()) == list(range(length))  # every row on exactly one shard
@@ -159,7 +159,7 @@ def test_head_shards_with_per_head_masks_take_their_heads_tables(sequence_shards
 def test_balanced_layout_evens_causal_blocks():
     _, contiguous = _plans(M.CausalMask(), 8192, 4, "contiguous", platform="tpu")
     _, balanced = _plans(M.CausalMask(), 8192, 4, "balanced", platform="tpu")
-    plain, even = (jax_core.program(p).blocks_per_shard() for p in (contiguous, balanced))
+    plain, even = (torch_splash_jax.program(p).blocks_per_shard() for p in (contiguous, balanced))
     assert sum(plain) == sum(even) and len(set(even)) == 1
     assert plain == sorted(plain) and plain[-1] > 1.5 * even[0]  # the last contiguous shard does most
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import TOL, make_qkv, reference
 
-import jax_core
 import torch_splash
+import torch_splash_jax
 from torch_splash.masks import CausalMask, LocalMask
 
 CASES = [
@@ -59,7 +59,7 @@ def test_bad_sinks_are_clear_errors(sinks, error, match):
 
 
 def test_sinks_lower_for_tpu():
-    plan = jax_core.plan(
+    plan = torch_splash_jax.plan(
         batch=2,
         num_q_heads=8,
         num_kv_heads=2,
@@ -69,7 +69,7 @@ def test_sinks_lower_for_tpu():
         platform="tpu",
         has_sinks=True,
     )
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((2, h, 1024, 128), jnp.bfloat16) for h in (8, 2, 2)]
     args.append(jax.ShapeDtypeStruct((8,), jnp.float32))
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)

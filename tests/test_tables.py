@@ -5,7 +5,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as jax_masks
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as jax_info
 
-from jax_core import masks, tables
+from torch_splash_jax import masks, tables
 
 MASKS = [
     masks.FullMask(),
@@ -67,11 +67,11 @@ def test_compositions_never_skip_a_block_jax_would_compute():
 def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
     """Whether a per-head mask allows any pair is decided from block bounds: evaluated densely,
     4 heads at 1M tokens would need 4 TB (it used to be, and was OOM-killed at 112K)."""
-    import jax_core
-    from jax_core import kernels
+    import torch_splash_jax
+    from torch_splash_jax import kernels
 
     def plan(*heads):
-        return jax_core.plan(
+        return torch_splash_jax.plan(
             batch=1,
             num_q_heads=len(heads),
             num_kv_heads=1,

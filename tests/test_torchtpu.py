@@ -21,9 +21,9 @@ import torch
 from helpers import make_qkv, reference
 
 import torch_splash
-from jax_core import compat
 from torch_splash import _transport
 from torch_splash.masks import CausalMask, LocalMask
+from torch_splash_jax import compat
 
 pytestmark = pytest.mark.torchtpu
 

@@ -19,7 +19,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from jax_core import aot, mosaic
+from torch_splash_jax import aot, mosaic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "tpu_compile_worker.py"
@@ -95,7 +95,7 @@ DEFAULT = [
             block_kv_dq=1024,
         ),
     ),
-    # the VMEM rule's edge (jax_core/plan.py): block_q x block_kv x max(head_dim, 128) == 2**28
+    # the VMEM rule's edge (torch_splash_jax/plan.py): block_q x block_kv x max(head_dim, 128) == 2**28
     _case(
         "explicit-blocks-2048x1024",
         4,

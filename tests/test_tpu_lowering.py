@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_core
-from jax_core.masks import CausalMask, FullMask
+import torch_splash_jax
+from torch_splash_jax.masks import CausalMask, FullMask
 
 CONFIGS = [
     # (batch, hq, hkv, q_len, kv_len, d, dv, dtype, mask, segment ids)
@@ -21,7 +21,7 @@ CONFIGS = [
 
 
 def _plan(batch, hq, hkv, q_len, kv_len, d, dv, dtype, mask, seg, **kw):
-    return jax_core.plan(
+    return torch_splash_jax.plan(
         batch=batch,
         num_q_heads=hq,
         num_kv_heads=hkv,
@@ -46,7 +46,7 @@ def _count_custom_calls(exported) -> int:
 def test_forward_and_backward_lower_for_tpu(config):
     batch, hq, hkv, q_len, kv_len, d, dv, dtype, mask, seg = config
     plan = _plan(*config)
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     dt = jnp.dtype(dtype)
     args = [
         jax.ShapeDtypeStruct((batch, hq, q_len, d), dt),
@@ -75,9 +75,9 @@ def test_fused_backward_lowers_as_one_kernel():
         "float32",
         CausalMask(0),
         False,
-        block_sizes=jax_core.BlockSizes(use_fused_bwd_kernel=True),
+        block_sizes=torch_splash_jax.BlockSizes(use_fused_bwd_kernel=True),
     )
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((1, h, 256, 128), jnp.float32) for h in (4, 2, 2)]
     out, lse = jax.eval_shape(program.forward, *args)
     bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
@@ -99,12 +99,17 @@ def test_lowering_for_tpu_enforces_block_shapes_that_interpret_mode_ignores():
 
 
 FAMILIES = [
-    jax_core.LocalMask(1023, 0),
-    jax_core.ChunkedCausalMask(512),
-    jax_core.CausalMask(0) & jax_core.LocalMask(255),
-    jax_core.LocalMask(64, 64) | jax_core.CausalMask(-2000),
-    jax_core.MultiHeadMask(
-        (jax_core.CausalMask(0), jax_core.LocalMask(128), jax_core.FullMask(), jax_core.CausalMask(5))
+    torch_splash_jax.LocalMask(1023, 0),
+    torch_splash_jax.ChunkedCausalMask(512),
+    torch_splash_jax.CausalMask(0) & torch_splash_jax.LocalMask(255),
+    torch_splash_jax.LocalMask(64, 64) | torch_splash_jax.CausalMask(-2000),
+    torch_splash_jax.MultiHeadMask(
+        (
+            torch_splash_jax.CausalMask(0),
+            torch_splash_jax.LocalMask(128),
+            torch_splash_jax.FullMask(),
+            torch_splash_jax.CausalMask(5),
+        )
     ),
 ]
 
@@ -113,7 +118,7 @@ FAMILIES = [
 def test_each_mask_family_lowers_for_tpu_at_its_planned_blocks(mask):
     q_len = kv_len = 2000
     plan = _plan(1, 4, 2, q_len, kv_len, 128, 128, "bfloat16", mask, True)
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((1, h, 2000, 128), jnp.bfloat16) for h in (4, 2, 2)]
     args += [jax.ShapeDtypeStruct((1, 2000), jnp.int32)] * 2
     fwd = jax.export.export(program.forward, platforms=["tpu"])(*args)
@@ -125,8 +130,8 @@ def test_each_mask_family_lowers_for_tpu_at_its_planned_blocks(mask):
 
 def test_dense_mask_lowers_for_tpu():
     rng = np.random.default_rng(0)
-    dense = jax_core.DenseMask(rng.random((300, 300)) > 0.5)
+    dense = torch_splash_jax.DenseMask(rng.random((300, 300)) > 0.5)
     plan = _plan(1, 2, 2, 300, 300, 64, 64, "float32", dense, False)
     args = [jax.ShapeDtypeStruct((1, 2, 300, 64), jnp.float32)] * 3
-    fwd = jax.export.export(jax_core.program(plan).forward, platforms=["tpu"])(*args)
+    fwd = jax.export.export(torch_splash_jax.program(plan).forward, platforms=["tpu"])(*args)
     assert _count_custom_calls(fwd) == 1

@@ -8,8 +8,8 @@ import tomllib
 import pytest
 import torch
 
-from jax_core import compat
 from torch_splash import SplashConstraintError, SplashError, SplashVersionError, _transport
+from torch_splash_jax import compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

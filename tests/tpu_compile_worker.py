@@ -1,5 +1,5 @@
 """Run by tests/test_tpu_compile.py in processes of its own, with libtpu importable
-(`jax_core.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
+(`torch_splash_jax.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
 torch_xla. Prints one JSON line per result.
 
     programs GEN[,GEN...]   one JSON case per line on stdin: each case's forward, backward and
@@ -7,7 +7,7 @@ torch_xla. Prints one JSON line per result.
                             compiled for one chip of each generation, then a line {"done": name}.
                             A case may name "mosaic_version".
     torchtpu GEN[,GEN...]   the same, each program exported as TorchTPU's jax_op exports it
-                            (jax_core.transport.export_for_torchtpu) and compiled from that
+                            (torch_splash_jax.transport.export_for_torchtpu) and compiled from that
                             StableHLO module, the bytes TorchTPU's runtime would compile.
     step                    the HLO of a torch_xla training step of a small transformer (forward,
                             loss, backward, SGD update) with the kernels planned for TPU, compiled
@@ -53,17 +53,17 @@ def program_args(plan, kind: str) -> tuple:
 def case_plan(case: dict):
     import numpy as np
 
-    import jax_core
-    from jax_core import masks
+    import torch_splash_jax
+    from torch_splash_jax import masks
 
     mask = case["mask"]
     if mask == "dense":
         rng = np.random.default_rng(0)
-        mask = jax_core.DenseMask(rng.random((case["q_len"], case["kv_len"])) > 0.3)
+        mask = torch_splash_jax.DenseMask(rng.random((case["q_len"], case["kv_len"])) > 0.3)
     else:
         mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
     blocks = case.get("blocks")
-    return jax_core.plan(
+    return torch_splash_jax.plan(
         batch=case.get("batch", 1),
         num_q_heads=case["hq"],
         num_kv_heads=case["hkv"],
@@ -77,7 +77,7 @@ def case_plan(case: dict):
         soft_cap=case.get("soft_cap"),
         has_segment_ids=case.get("segment_ids", False),
         has_sinks=case.get("sinks", False),
-        block_sizes=None if blocks is None else jax_core.BlockSizes(**blocks),
+        block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks),
         platform="tpu",
     )
 
@@ -97,8 +97,8 @@ def _in_graph_module(program, plan, kind, version):
     matters to a torch_xla that set does not have."""
     import importlib.util
 
-    from jax_core import aot
-    from jax_core.transport import hlo_module, lowered
+    from torch_splash_jax import aot
+    from torch_splash_jax.transport import hlo_module, lowered
 
     fn, args = getattr(program, kind), program_args(plan, kind)
     if importlib.util.find_spec("torch_xla") is None:
@@ -110,8 +110,8 @@ def _in_graph_module(program, plan, kind, version):
 
 def _torchtpu_module(program, plan, kind, version):
     """The StableHLO module TorchTPU's jax_op registers with its runtime, and how it compiles."""
-    from jax_core import aot, compat
-    from jax_core.transport import export_for_torchtpu
+    from torch_splash_jax import aot, compat
+    from torch_splash_jax.transport import export_for_torchtpu
 
     exported = export_for_torchtpu(getattr(program, kind), program_args(plan, kind), version)
     module = compat.portable_artifact_module(exported.mlir_module_serialized)
@@ -119,14 +119,14 @@ def _torchtpu_module(program, plan, kind, version):
 
 
 def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> None:
-    import jax_core
+    import torch_splash_jax
 
     try:
         plan = case_plan(case)
     except Exception as exc:  # a refusal before any JAX work (the planner's own rules)
         _emit(case=case["name"], kind="plan", generation=None, error=_error(exc))
         return
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     for kind in ("forward", "backward", "infer"):
         start = time.perf_counter()
         try:
@@ -192,8 +192,8 @@ def step(spmd: bool) -> None:
     import torch_xla
 
     import torch_splash
-    from jax_core import aot, compat
     from torch_splash import _transport
+    from torch_splash_jax import aot, compat
 
     _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
     device = torch_xla.device()

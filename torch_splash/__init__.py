@@ -1,9 +1,9 @@
 """torch_splash: JAX's Pallas splash attention for PyTorch, with gradients."""
 
-# jax_core checks the Python, JAX and numpy versions and keeps JAX off a TPU that torch_xla or
-# TorchTPU owns before it imports JAX (jax_core.compat); torch is checked here.
-from jax_core import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
-from jax_core import compat as _compat
+# torch_splash_jax checks the Python, JAX and numpy versions and keeps JAX off a TPU that torch_xla or
+# TorchTPU owns before it imports JAX (torch_splash_jax.compat); torch is checked here.
+from torch_splash_jax import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
+from torch_splash_jax import compat as _compat
 
 _compat.check_versions(("torch",))
 

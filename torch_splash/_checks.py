@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from jax_core import SplashConstraintError, SplashDtypeError
+from torch_splash_jax import SplashConstraintError, SplashDtypeError
 
 from . import _transport
 from . import masks as _masks

@@ -15,13 +15,13 @@ import operator
 
 import torch
 
-import jax_core
-from jax_core import policy
-from jax_core.masks import STRUCTURED, Mask
+import torch_splash_jax
+from torch_splash_jax import policy
+from torch_splash_jax.masks import STRUCTURED, Mask
 
 from . import masks as _masks
 
-for _option in (jax_core.BlockSizes, *_masks.TYPES):
+for _option in (torch_splash_jax.BlockSizes, *_masks.TYPES):
     torch.utils._pytree.register_constant(_option)
 
 

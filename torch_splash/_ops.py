@@ -14,17 +14,17 @@ import itertools
 
 import torch
 
-import jax_core
-from jax_core import SplashConstraintError, policy
+import torch_splash_jax
+from torch_splash_jax import SplashConstraintError, policy
 
 from . import _sharding, _transport
 
 # Ops take tensors, ints and strings, not objects: a call's plan (and SPMD sharding, if any)
-# reaches them as its number in this registry, and each op looks its program up in jax_core's
+# reaches them as its number in this registry, and each op looks its program up in torch_splash_jax's
 # cache. `transport` is the transport attention() picked for the forward's tensors;
 # `requested_transport` is the caller's request ("" for automatic), decided afresh for the
 # backward's tensors.
-_REGISTERED_PLANS: dict[int, tuple[jax_core.Plan, _sharding.Sharding | None]] = {}  # least recently used first
+_REGISTERED_PLANS: dict[int, tuple[torch_splash_jax.Plan, _sharding.Sharding | None]] = {}  # least recently used first
 _PLAN_NUMBERS: dict[tuple, int] = {}
 MAX_REGISTERED_PLANS = policy.PLAN_REGISTRY
 # Numbers a compiled graph holds as constants: never evicted, since the graph may run again after
@@ -33,7 +33,7 @@ _PINNED: set[int] = set()
 _NEXT_NUMBER = itertools.count()
 
 
-def register_plan(plan: jax_core.Plan, sharding: _sharding.Sharding | None = None, traced: bool = False) -> int:
+def register_plan(plan: torch_splash_jax.Plan, sharding: _sharding.Sharding | None = None, traced: bool = False) -> int:
     """The number the ops know this plan (and sharding) by; the most recently used are kept, and
     every number a traced graph (fake tensors: torch.compile) holds."""
     key = (plan, sharding)
@@ -51,7 +51,7 @@ def register_plan(plan: jax_core.Plan, sharding: _sharding.Sharding | None = Non
     return number
 
 
-def _registered_plan(number: int) -> tuple[jax_core.Plan, _sharding.Sharding | None]:
+def _registered_plan(number: int) -> tuple[torch_splash_jax.Plan, _sharding.Sharding | None]:
     try:
         return _REGISTERED_PLANS[number]
     except KeyError:
@@ -69,7 +69,7 @@ _ROLES.update(out="q", lse="lse", d_out="q")
 def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple) -> list[torch.Tensor]:
     """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options)."""
     plan, sharding = _registered_plan(number)
-    program = jax_core.program(plan)
+    program = torch_splash_jax.program(plan)
     fn = getattr(program, kernel)
     # a sharded program takes every device's block tables (and query positions), split along the
     # sequence and the heads
@@ -83,8 +83,8 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
 
 
 @functools.lru_cache(maxsize=policy.TABLE_TENSORS)
-def _table_tensors(plan: jax_core.Plan, device: torch.device) -> list[torch.Tensor]:
-    return [torch.from_numpy(a).to(device) for a in jax_core.program(plan).tables()]
+def _table_tensors(plan: torch_splash_jax.Plan, device: torch.device) -> list[torch.Tensor]:
+    return [torch.from_numpy(a).to(device) for a in torch_splash_jax.program(plan).tables()]
 
 
 def _inputs(q, k, v, q_ids, kv_ids, sinks) -> dict:

@@ -28,8 +28,8 @@ import re
 
 import torch
 
-import jax_core
-from jax_core import SplashConstraintError, compat
+import torch_splash_jax
+from torch_splash_jax import SplashConstraintError, compat
 
 from . import _checks, _transport
 
@@ -118,7 +118,7 @@ class Sharding:
         return out
 
     def _balanced_chunks(self) -> list[int]:
-        return jax_core.balanced_chunk_order(self.q_shards)
+        return torch_splash_jax.balanced_chunk_order(self.q_shards)
 
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
@@ -168,7 +168,7 @@ def _joined(*entries):
 
 def check(partition_spec, mesh, call, transport: str | None, sequence_layout: str | None = None) -> Sharding | None:
     """The Sharding of a checked call, or None; SplashConstraintError for what cannot be sharded."""
-    jax_core.check_sequence_layout(sequence_layout)
+    torch_splash_jax.check_sequence_layout(sequence_layout)
     if partition_spec is None:
         if mesh is not None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")

@@ -9,7 +9,7 @@ sync, no host round trip. It is the only way on TPU, where no layer supports DLP
 TPU that torch_xla owns; naming the platform keeps JAX on the CPU.)
 "torchtpu": TorchTPU tensors (device "tpu"). One TorchTPU custom op, `torch_splash::tpu_program`
 made by TorchTPU's public `torch.tpu.pallas.jax_op`, runs every program: TorchTPU exports the
-program for TPU with `jax.export` (at the Mosaic IR version jax_core.mosaic decides) and runs it
+program for TPU with `jax.export` (at the Mosaic IR version torch_splash_jax.mosaic decides) and runs it
 on the tensors' device.
 
 JAX reads DLPack strides wrongly for non-contiguous tensors, so DLPack inputs are made contiguous
@@ -26,8 +26,8 @@ import os
 
 import torch
 
-from jax_core import SplashConstraintError, compat, mosaic, policy
-from jax_core.transport import from_capsule, hlo_module, numbered, numbered_program, program_number
+from torch_splash_jax import SplashConstraintError, compat, mosaic, policy
+from torch_splash_jax.transport import from_capsule, hlo_module, numbered, numbered_program, program_number
 
 TRANSPORTS = ("dlpack", "graph", "torchtpu")
 # Where each transport's package comes from, for the refusal when it is missing.

@@ -1,7 +1,7 @@
 """`torch_splash.attention`: splash attention for torch tensors, with gradients.
 
 A call flows one way: check the arguments (`_checks`), decide the SPMD sharding (`_sharding`) and
-the transport (`_transport`), plan block sizes and padding (`jax_core.plan`), then run the custom
+the transport (`_transport`), plan block sizes and padding (`torch_splash_jax.plan`), then run the custom
 ops (`_ops`), whose backward returns the gradients to torch.
 """
 
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
-import jax_core
+import torch_splash_jax
 
 from . import _checks, _compile, _ops, _sharding, _transport
 
 
-def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None) -> jax_core.Plan:
+def _plan(
+    call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None
+) -> torch_splash_jax.Plan:
     """The plan of a checked call: at the shapes each device sees when sharded."""
     batch, q_heads, q_len, head_dim = call.q.shape
     kv_heads = call.k.shape[1]
@@ -22,7 +24,7 @@ def _plan(call: _checks.CheckedCall, block_sizes, platform: str, sharding: _shar
     if sharding is not None:
         batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
         q_shards, layout, head_shards = sharding.q_shards, sharding.layout, sharding.shards(sharding.heads)
-    return jax_core.plan(
+    return torch_splash_jax.plan(
         batch=batch,
         num_q_heads=q_heads,
         num_kv_heads=kv_heads,
@@ -53,7 +55,7 @@ def attention(
     scale: float | None = None,
     segment_ids=None,
     soft_cap: float | None = None,
-    block_sizes: jax_core.BlockSizes | None = None,
+    block_sizes: torch_splash_jax.BlockSizes | None = None,
     transport: str | None = None,
     partition_spec: tuple | None = None,
     mesh=None,

@@ -24,8 +24,8 @@ from transformers import AttentionInterface
 from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
-import jax_core
-from jax_core import SplashConstraintError
+import torch_splash_jax
+from torch_splash_jax import SplashConstraintError
 
 from . import masks as _masks
 from .api import attention
@@ -224,7 +224,7 @@ def splash_mask(
 def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, device) -> SplashMask:
     """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right],
     within its own chunk if chunked (same_segment, (B, Lkv)). That and the padding become kv segment
-    ids over a full mask, and the keys are padded to `jax_core.lane_padded` (the kernel pads there
+    ids over a full mask, and the keys are padded to `torch_splash_jax.lane_padded` (the kernel pads there
     anyway). So every decode step until the cache crosses that multiple has the same shapes and mask
     and reuses one compiled program; with the mask's offset and the key length as compile-time
     constants, each step would compile its own."""
@@ -241,7 +241,9 @@ def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_va
         kv_ids = kv_ids & kv_valid
     q_ids = torch.ones(batch_size, 1, dtype=torch.int32, device=device)
     return SplashMask(
-        _masks.FullMask(), (q_ids.to(torch.int32), kv_ids.to(torch.int32)), pad_keys_to=jax_core.lane_padded(kv_length)
+        _masks.FullMask(),
+        (q_ids.to(torch.int32), kv_ids.to(torch.int32)),
+        pad_keys_to=torch_splash_jax.lane_padded(kv_length),
     )
 
 

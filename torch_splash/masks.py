@@ -25,8 +25,8 @@ import functools
 
 import torch
 
-from jax_core import SplashConstraintError, policy
-from jax_core.masks import (
+from torch_splash_jax import SplashConstraintError, policy
+from torch_splash_jax.masks import (
     STRUCTURED,
     CausalMask,
     ChunkedCausalMask,
@@ -99,7 +99,7 @@ class _Deferred(Immutable):
     """A mask that exists only once the call's shapes are known (a mask_mod, or a composition with
     one). It composes with every mask under & and |, resolved at call time."""
 
-    composes_with_masks = True  # jax_core's masks hand & and | with these over to us
+    composes_with_masks = True  # torch_splash_jax's masks hand & and | with these over to us
 
     def resolve(self, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
         raise NotImplementedError
@@ -199,7 +199,7 @@ def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Ma
 
 
 def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
-    """Any accepted mask argument as a jax_core Mask (checked against the call's shapes by the plan)."""
+    """Any accepted mask argument as a torch_splash_jax Mask (checked against the call's shapes by the plan)."""
     if mask is None:
         return FullMask()
     if isinstance(mask, str):

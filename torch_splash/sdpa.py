@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from jax_core import SplashConstraintError, SplashDtypeError, SplashError
+from torch_splash_jax import SplashConstraintError, SplashDtypeError, SplashError
 
 from . import masks as _masks
 from .api import attention

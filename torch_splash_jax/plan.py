@@ -9,7 +9,7 @@ Blocks the caller leaves as None are planned; blocks the caller sets are checked
 they exceed the padded sequence (the fix the JAX error reports recommend).
 
 Pure Python and NumPy on shapes: planning and its errors happen before any JAX computation (the
-mask specs it reads come from `jax_core.masks`, which imports the kernel's mask module).
+mask specs it reads come from `torch_splash_jax.masks`, which imports the kernel's mask module).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _TARGETS = {
     "tpu": dict(block=512, compute=512, fused=False),
 }
 
-# A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (jax_core.aot):
+# A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (torch_splash_jax.aot):
 # every kernel compiled whose block_q x block_kv x max(head_dim, 128) was at most 2**28 (2048 x 1024
 # and 1024 x 2048 at head_dim 128; 1024 x 1024 at 256; 512 x 512 at 512), and every one above it
 # was refused ("Ran out of memory in memory space vmem": 2048 x 2048 at 128; 1024 x 2048 and

@@ -14,7 +14,7 @@ $TORCH_SPLASH_ALLOW_UNTESTED=1 turns the refusal into a warning.
 
 Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
 used, and the torch_xla and TorchTPU entries, called only by torch_splash's transports, import
-those packages when called (jax_core itself never imports torch).
+those packages when called (torch_splash_jax itself never imports torch).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def python_version() -> str:
 
 
 def check_versions(names=("python", "jax", "jaxlib", "numpy")) -> None:
-    """Refuse a Python or package outside SUPPORTED (jax_core checks its own; torch_splash adds torch)."""
+    """Refuse a Python or package outside SUPPORTED (torch_splash_jax checks its own; torch_splash adds torch)."""
     for name in names:
         found = python_version() if name == "python" else installed(name)
         if found is None:
@@ -117,7 +117,7 @@ def _moved(entry: str, error: BaseException) -> BaseException:
 def keep_jax_off_the_tpu() -> None:
     """On a TPU host torch_xla or TorchTPU owns the TPU, and JAX opening it too hangs torch_xla
     (torch_xla issues 8793 and 8954) and competes with TorchTPU. JAX only lowers the kernels for
-    TPU, which needs no TPU backend (jax_core.transport.hlo_module), so JAX is kept on the CPU
+    TPU, which needs no TPU backend (torch_splash_jax.transport.hlo_module), so JAX is kept on the CPU
     unless the caller set JAX_PLATFORMS. TorchTPU installs libtpu where JAX finds it, so its
     presence alone is the sign (on a machine without a TPU, JAX would otherwise try the TPU and
     print libtpu's errors). If JAX is not imported yet, torch_xla opens the TPU first, as torch_xla's

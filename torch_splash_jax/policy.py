@@ -1,7 +1,7 @@
 """Runtime policy: every cache torch_splash keeps, its bound and why, and what it releases when.
 
 Each bound below is read where its cache is made; nothing else in the package sizes a cache.
-TorchTPU's numbered programs (jax_core.transport) are held weakly: an evicted program is freed.
+TorchTPU's numbered programs (torch_splash_jax.transport) are held weakly: an evicted program is freed.
 
 JAX's own caches. A Program's jitted functions die with it, but JAX's tracing caches keep about
 0.6 MB per distinct shape keyed on the splash kernel's long-lived jitted function, and release it
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 
-# jax_core.kernels.program: a plan's jitted forward, infer and backward with their block tables.
+# torch_splash_jax.kernels.program: a plan's jitted forward, infer and backward with their block tables.
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
 PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
 # See the module docstring.
 CLEAR_JAX_CACHES = os.environ.get("TORCH_SPLASH_CLEAR_JAX_CACHES", "1") != "0"
-# jax_core.plan.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
+# torch_splash_jax.plan.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
 PLANS = 1024
-# jax_core.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
+# torch_splash_jax.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
 # milliseconds.
 MASK_TABLES = 64
 # torch_splash._ops: plan <-> the number the custom ops take. Plans can hold dense masks; a number

@@ -58,7 +58,7 @@ def hlo_module(
     for TPU is serialized into its custom call and compiled by XLA where it runs, so JAX needs no
     TPU backend and never opens a TPU that torch_xla owns. keep_unused: the caller passes every
     argument as a parameter, so none may be pruned. TPU kernels are serialized at the Mosaic IR
-    version `jax_core.mosaic` decides (`mosaic_version` overrides it, for tests).
+    version `torch_splash_jax.mosaic` decides (`mosaic_version` overrides it, for tests).
     """
     return lowered(fn, args, platform, mosaic_version).compiler_ir("hlo").as_serialized_hlo_module_proto()
 
@@ -74,7 +74,7 @@ def lowered(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mo
         return traced.lower(lowering_platforms=(platform,))
 
 
-# Programs by number, for caches outside jax_core (torch_xla's in-graph functions, TorchTPU's one
+# Programs by number, for caches outside torch_splash_jax (torch_xla's in-graph functions, TorchTPU's one
 # `jax_op`, where the number is a static argument and part of TorchTPU's cache key): numbers are
 # never reused, so a cached number can never name another program, and programs are held weakly,
 # so a cache keyed on a number keeps no evicted program alive.
@@ -109,7 +109,7 @@ def numbered_program(tensors: list[jax.Array], program: int) -> list[jax.Array]:
 def export_for_torchtpu(fn, args: tuple[tuple[tuple[int, ...], str], ...], mosaic_version: int | None = None):
     """`fn` at these (shape, dtype name) arguments exported exactly as TorchTPU's `jax_op` exports
     `numbered_program` (jax.export for TPU, newest serialization, custom calls allowed), at the
-    Mosaic IR version `jax_core.mosaic` decides: the module TorchTPU's runtime compiles."""
+    Mosaic IR version `torch_splash_jax.mosaic` decides: the module TorchTPU's runtime compiles."""
     import jax.export
 
     structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]

@@ -21,7 +21,7 @@ class SplashConstraintError(SplashError, ValueError):
 
 class SplashVersionError(SplashError, ImportError):
     """A Python, torch, JAX or companion package outside the versions torch_splash supports, or a
-    release that moved an API torch_splash relies on (jax_core.compat). Raised at import, naming
+    release that moved an API torch_splash relies on (torch_splash_jax.compat). Raised at import, naming
     what was found and what is supported.
     """
 
