@@ -32,13 +32,13 @@ from torch_splash_jax.masks import (
     ChunkedCausalMask,
     DenseMask,
     FullMask,
-    Immutable,
     LocalMask,
     Mask,
     MultiHeadMask,
     PrefixMask,
     not_a_mask,
 )
+from torch_splash_jax.options import Immutable
 
 __all__ = [
     "CausalMask",

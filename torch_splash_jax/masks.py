@@ -17,6 +17,7 @@ import numpy as np
 
 from . import compat
 from .errors import SplashConstraintError
+from .options import Immutable
 
 
 def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimum: int | None = None):
@@ -58,23 +59,6 @@ def _floor_div(x, divisor: int):
 
     quotient = lax.div(x, np.asarray(divisor, x.dtype))
     return quotient - (lax.rem(x, np.asarray(divisor, x.dtype)) < 0).astype(quotient.dtype)
-
-
-class Immutable:
-    """Base of the values callers pass as options (masks, block sizes): dataclasses with
-    `unsafe_hash=True` that refuse assignment once constructed, since they key caches.
-
-    Not `frozen=True`: torch.compile's Dynamo (torch 2.9) cannot hand frozen dataclass instances
-    to the torch side's nonstrict_trace region. `__post_init__` normalises with object.__setattr__.
-    """
-
-    def __setattr__(self, name, value):
-        if name in self.__dict__:
-            raise dataclasses.FrozenInstanceError(f"cannot assign to {name!r}: {type(self).__name__} is immutable.")
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name):
-        raise dataclasses.FrozenInstanceError(f"cannot delete {name!r}: {type(self).__name__} is immutable.")
 
 
 class Mask(Immutable):
