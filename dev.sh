@@ -15,6 +15,7 @@
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
 #   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
+#   ./dev.sh fit-llama     runs examples/fit_llama.py (does an HF Llama step fit on a v5e chip? --quick too)
 #   ./dev.sh lock          re-resolves locks/*.txt from pyproject.toml and locks/*.in (needs the registry)
 # Each set installs exactly from its lock file (locks/), into its own venv, rebuilt only when the
 # lock or pyproject.toml changes: .venv (the torch_xla set, Python 3.11), .venv-current (Python 3.12).
@@ -97,6 +98,7 @@ case "$cmd" in
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
+  fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune | lock" >&2; exit 2 ;;
+          "bench-transports | bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

@@ -232,6 +232,23 @@ def _sequence(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _fit(r: dict) -> str:
+    lines = [
+        f"| {r['model']} | L | fits | HBM per chip (GiB) | the compiler's figure when not |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        total = f"{row['total'] / GiB:.2f}" if row["fits"] else ""
+        need = (
+            "" if row["fits"] else (row["error"] or f"needs {row['needed'] / GiB:.2f} of {row['capacity'] / GiB:.2f}")
+        )
+        lines.append(f"| {row['attention']} | {row['L']} | {'yes' if row['fits'] else 'no'} | {total} | {need} |")
+    searched = ", ".join(str(n) for n in r["searched"])
+    lines += ["", f"Longest splash length that fits on {r['topology']} among those searched ({searched}): "
+              f"{r['largest_splash']}."]  # fmt: skip
+    return "\n".join(lines)
+
+
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them
 SECTIONS = {
     "bridge": (
@@ -278,6 +295,14 @@ SECTIONS = {
         "whole). With contiguous shards the last device does almost all the causal work; the balanced "
         "layout gives each device two mirrored chunks.",
         _sequence,
+    ),
+    "fit": (
+        "Will the step fit? An HF Llama training step on one v5e chip, splash vs sdpa (TPU compiler)",
+        "torch_splash.fit.check on a HuggingFace LlamaForCausalLM training step (forward, loss, backward, SGD) "
+        "built on torch_xla's CPU device with the kernels planned for TPU, compiled deviceless by libtpu for one "
+        "chip; each attention implementation stops at its first length that does not fit. Then the longest splash "
+        "length found by torch_splash.fit.largest_fitting. Example: examples/fit_llama.py.",
+        _fit,
     ),
 }
 

@@ -34,6 +34,7 @@ def test_demo():
         ("bench-transports", "transports_quick.json", "graph"),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
         ("bench-sequence", "sequence_quick.json", "blocks"),
+        ("fit-llama", "fit_quick.json", "rows"),
     ],
 )
 def test_benchmark_quick_mode(command, result, key):

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 
 import torch
 
@@ -116,6 +117,23 @@ def _torchtpu_op():
     return pallas.jax_op("torch_splash::tpu_program", numbered_program)
 
 
+_FOR_TPU = threading.local()
+
+
+@contextlib.contextmanager
+def planned_for_tpu():
+    """Within it, torch_xla CPU-device tensors get kernels planned and lowered for TPU, spliced
+    into torch_xla's lazy graph: the graph a TPU would run, built (and compiled for TPU by
+    torch_splash.fit) on a machine without one. Nothing that reads such a graph's values can run
+    here: the Mosaic kernels need a TPU."""
+    before = getattr(_FOR_TPU, "on", False)
+    _FOR_TPU.on = True
+    try:
+        yield
+    finally:
+        _FOR_TPU.on = before
+
+
 def platform_of(device: torch.device) -> str:
     """The kernel platform for tensors on `device`: 'cpu' (interpret mode) or 'tpu'."""
     if device.type == "cpu":
@@ -127,7 +145,7 @@ def platform_of(device: torch.device) -> str:
 
         kind = xr.device_type()
         if kind == "CPU":
-            return "cpu"
+            return "tpu" if getattr(_FOR_TPU, "on", False) else "cpu"
         if kind == "TPU":
             return "tpu"
         raise SplashConstraintError(

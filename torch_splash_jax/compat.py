@@ -320,11 +320,15 @@ def run_portable_artifact_on_cpu(serialized: bytes, arrays: list) -> list:
 # --- torch_xla (torch_xla._XLAC, torch_xla._internal, torch_xla.core.xla_builder) --------------
 
 
-def needs_materialization(tensors) -> bool:
-    """Whether any torch_xla tensor is part of a pending (unexecuted) lazy graph."""
+def needs_materialization_each(tensors) -> list[bool]:
+    """For each torch_xla tensor, whether it is part of a pending (unexecuted) lazy graph."""
     import torch_xla
 
-    return any(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+    return list(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+
+
+def needs_materialization(tensors) -> bool:
+    return any(needs_materialization_each(tensors))
 
 
 def materialize(tensors) -> None:

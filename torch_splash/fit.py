@@ -1,0 +1,372 @@
+"""Will my training step fit on a TPU? The TPU compiler's own answer, on a machine without a TPU.
+
+    python -m torch_splash.fit --topology v5e:2x2 train.py [script args]
+
+runs an unmodified torch_xla script (PJRT_DEVICE=CPU) up to its first step boundary
+(`torch_xla.sync()`, `xm.mark_step()`, `xm.optimizer_step(...)`, or the end of a
+`torch_xla.compile`d step), with torch_splash's kernels planned and lowered for TPU, takes the
+graph that step built without executing it, compiles it with the TPU compiler (libtpu,
+deviceless) for the named topology, prints a report and exits. `check(step_fn, *args,
+topology=...)` does the same for a function that runs one step and returns a `Report`;
+`largest_fitting(make_step, lengths, topology=...)` searches the longest sequence that fits.
+
+The compiler runs in a process of its own, so this process keeps its JAX and torch_xla state.
+libtpu is the release torch_xla pins (torch_splash_jax.mosaic.PINNED_LIBTPU), found in
+$TORCH_SPLASH_LIBTPU_DIR or installed once into ~/.cache/torch_splash/libtpu-<release>. One chip
+unless the step is SPMD (`xr.use_spmd()` and a mesh): then one partition per device, compiled for
+that many chips of the topology.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+
+import torch
+
+from torch_splash_jax import SplashConstraintError, aot, mosaic
+
+from ._transport import planned_for_tpu
+
+__all__ = ["Report", "check", "largest_fitting", "main", "planned_for_tpu"]
+
+# HBM per chip (what the compiler reports as capacity: v5e "Used ... of 15.75G").
+CAPACITY_GIB = {"v4": 32.0, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25, "v7x": 94.75}
+_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|v7x)(?::(\d+(?:x\d+){1,2}))?$")
+_DEFAULT_SHAPE = {"v4": "2x2x1", "v5e": "2x2", "v5p": "2x2x1", "v6e": "2x2", "v7x": "2x2x1"}
+
+
+class EarlyExecution(SplashConstraintError):
+    """The step read a device value before its boundary (`.item()`, a print, a Python branch on a
+    tensor): part of its graph would have run early, so the graph at the boundary is not the step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The TPU compiler's verdict on one step, per chip, in bytes."""
+
+    topology: str
+    chips: int
+    fits: bool
+    capacity: int
+    arguments: int = 0
+    outputs: int = 0
+    temporaries: int = 0
+    code: int = 0
+    total: int = 0  # arguments + outputs (less what they alias) + temporaries
+    needed: int | None = None  # the compiler's figure when it does not fit
+    needed_is_lower_bound: bool = False
+    error: str | None = None  # a refusal other than memory, its first lines
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        head = f"{self.topology}, {self.chips} chip{'s' if self.chips > 1 else ''}:"
+        if self.error is not None:
+            return f"{head} the TPU compiler refused the step:\n{self.error}"
+        if not self.fits:
+            at_least = "at least " if self.needed_is_lower_bound else ""
+            return (
+                f"{head} does NOT fit: needs {at_least}{self.needed / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM"
+            )
+        return (
+            f"{head} fits: {self.total / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM per chip "
+            f"(arguments {self.arguments / gib:.2f}, outputs {self.outputs / gib:.2f}, "
+            f"temporaries {self.temporaries / gib:.2f}, generated code {self.code / gib:.3f} GiB)"
+        )
+
+
+def parse_topology(topology: str) -> tuple[str, str]:
+    """(generation, libtpu topology name): "v5e" -> one host of v5e ("v5e:2x2"), "v5e:4x4" as given."""
+    found = _TOPOLOGY.match(topology or "")
+    if found is None:
+        known = ", ".join(f"{g}[:{s}]" for g, s in _DEFAULT_SHAPE.items())
+        raise SplashConstraintError(
+            f"topology={topology!r} is not one torch_splash.fit knows: use one of {known} (e.g. v5e:2x2, v5e:4x4)."
+        )
+    generation, shape = found.group(1), found.group(2)
+    if shape is None:
+        return generation, aot.TOPOLOGIES[generation]
+    return generation, f"{'tpu7x' if generation == 'v7x' else generation}:{shape}"  # libtpu's name for v7x
+
+
+def libtpu_dir() -> pathlib.Path:
+    """A folder holding libtpu for the compiler's process: $TORCH_SPLASH_LIBTPU_DIR, or the release
+    torch_xla pins installed once under ~/.cache/torch_splash (never where JAX would take it for
+    a backend)."""
+    given = os.environ.get("TORCH_SPLASH_LIBTPU_DIR")
+    release = mosaic.PINNED_LIBTPU
+    folder = pathlib.Path(given) if given else pathlib.Path.home() / ".cache" / "torch_splash" / f"libtpu-{release}"
+    if (folder / "libtpu" / "libtpu.so").is_file():
+        return folder
+    if given:
+        raise SplashConstraintError(f"$TORCH_SPLASH_LIBTPU_DIR={given} holds no libtpu/libtpu.so.")
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), f"libtpu=={release}"]
+    print(f"torch_splash.fit: installing libtpu=={release} into {folder} (once)", file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not (folder / "libtpu" / "libtpu.so").is_file():
+        raise SplashConstraintError(
+            f"torch_splash.fit needs libtpu=={release} and could not install it ({done.stderr.strip()[-300:]}). "
+            f"Install it yourself: pip install --no-deps --target DIR libtpu=={release}, then set "
+            "TORCH_SPLASH_LIBTPU_DIR=DIR."
+        )
+    return folder
+
+
+def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Report:
+    """Compile a torch_xla step's HLO text for `partitions` chips of `topology`, in a process of
+    its own (libtpu there, never here)."""
+    generation, name = parse_topology(topology)
+    env = aot.environment(str(libtpu_dir()))
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(pathlib.Path(__file__).resolve().parent.parent)])
+    with tempfile.NamedTemporaryFile("w", suffix=".hlo", delete=False) as f:
+        f.write(hlo_text)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch_splash.fit", "--compile-hlo", f.name, "--topology", name,
+             "--partitions", str(partitions)],
+            capture_output=True, text=True, env=env, timeout=3600,
+        )  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"torch_splash.fit: the TPU compiler's process failed:\n{done.stderr[-3000:]}")
+    return Report(topology=topology, capacity=int(CAPACITY_GIB[generation] * (1 << 30)), **json.loads(lines[-1]))
+
+
+def _compile_here(path: str, topology: str, partitions: int) -> dict:
+    """In the compiler's process: compile and describe (a JSON line)."""
+    chips = partitions
+    try:
+        memory = aot.compile_hlo(aot.hlo_text_to_proto(pathlib.Path(path).read_text()), topology, partitions)
+    except aot.OutOfMemory as oom:
+        return dict(chips=chips, fits=False, needed=int(oom.used), needed_is_lower_bound=oom.lower_bound)
+    except Exception as error:  # another refusal: its first lines, not swallowed
+        return dict(chips=chips, fits=False, error="\n".join(str(error).splitlines()[:8]))
+    return dict(
+        chips=chips,
+        fits=True,
+        arguments=memory.arguments,
+        outputs=memory.outputs,
+        temporaries=memory.temp,
+        code=memory.code,
+        total=memory.total,
+    )
+
+
+def _live_pending_tensors() -> list[torch.Tensor]:
+    """The live torch_xla tensors that are part of the pending graph: what a step boundary would
+    compute (the updated parameters and their gradients, optimizer state, the loss). Found from
+    the objects Python holds: tensors, the gradients of tensors, the values of dicts, lists and
+    tuples (an optimizer's state)."""
+    from torch_splash_jax import compat
+
+    gc.collect()  # only what the script still holds
+    found: dict[int, torch.Tensor] = {}
+
+    def add(value):
+        if isinstance(value, torch.Tensor) and value.device.type == "xla":
+            found[id(value)] = value
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some module attributes, .grad of non-leaves
+        for obj in gc.get_objects():
+            kind = type(obj)  # exact types: a mapping subclass may compute its values (transformers' lazy maps)
+            if isinstance(obj, torch.Tensor):
+                add(obj)
+                add(obj.grad)
+            elif kind is dict:
+                for value in obj.values():
+                    add(value)
+            elif kind is list or kind is tuple:
+                for value in obj:
+                    add(value)
+    tensors = list(found.values())
+    return [t for t, p in zip(tensors, compat.needs_materialization_each(tensors)) if p] if tensors else []
+
+
+@contextlib.contextmanager
+def _watching_executions():
+    """Records the first user line that made torch_xla execute (a `.item()`, a print, ...)."""
+    import torch_xla.debug.metrics as met
+
+    def executions():
+        data = met.metric_data("ExecuteTime")
+        return 0 if data is None else data[0]
+
+    first_line: list[str] = []
+    reads = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__", "numpy")
+    originals = {name: getattr(torch.Tensor, name) for name in reads}
+
+    def watched(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            if self.device.type == "xla" and not first_line:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/torch" not in f.filename]
+                if frames:
+                    first_line.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    start = executions()
+    for name in reads:
+        setattr(torch.Tensor, name, watched(name))
+    state = {"executed": lambda: executions() > start, "line": first_line}
+    try:
+        yield state
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _early(state, error: BaseException | None = None) -> EarlyExecution:
+    where = f" at {state['line'][0]}" if state["line"] else ""
+    cause = f" ({type(error).__name__}: {str(error).splitlines()[0][:200]})" if error is not None else ""
+    return EarlyExecution(
+        f"the step read a device value before its boundary{where}{cause}: that runs part of the graph early, "
+        "so what reaches the boundary is not the whole step. Move the read after the step (or log with "
+        "torch_xla's step closures)."
+    )
+
+
+def _partitions() -> int:
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count() if xr.is_spmd() else 1
+
+
+def check(step_fn, *args, topology: str = "v5e", **kwargs) -> Report:
+    """Build one training step's graph (`step_fn(*args, **kwargs)` on torch_xla CPU-device tensors,
+    ending before its boundary), with torch_splash's kernels planned for TPU, and compile it for
+    `topology` with the TPU compiler. The step is not executed."""
+    import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
+
+    from torch_splash_jax import compat
+
+    parse_topology(topology)
+    with planned_for_tpu(), _watching_executions() as state:
+        try:
+            step_fn(*args, **kwargs)
+        except Exception as error:
+            if state["executed"]() or state["line"]:
+                raise _early(state, error) from error
+            raise
+        if state["executed"]():
+            raise _early(state)
+        hlo = compat.pending_hlo_text(_live_pending_tensors())
+    return compile_step_hlo(hlo, topology, _partitions())
+
+
+def largest_fitting(make_step, lengths, *, topology: str = "v5e") -> tuple[int | None, dict[int, Report]]:
+    """The longest of `lengths` whose step fits (`make_step(length)` returns (step_fn, args)),
+    searched by bisection over the sorted lengths; with every report measured."""
+    lengths, reports = sorted(lengths), {}
+    low, high, best = 0, len(lengths) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        step_fn, args = make_step(lengths[mid])
+        reports[lengths[mid]] = report = check(step_fn, *args, topology=topology)
+        gc.collect()
+        if report.fits:
+            best, low = lengths[mid], mid + 1
+        else:
+            high = mid - 1
+    return best, reports
+
+
+class _StepBoundary(BaseException):
+    """Raised at the script's first step boundary (a BaseException: the script's own `except
+    Exception` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def _stopping_at_the_first_boundary(graph: list):
+    """At the first boundary, the pending graph's HLO goes into `graph` (while the script's frames,
+    and so its tensors, are alive), and the script stops."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from torch_splash_jax import compat
+
+    def boundary(*args, **kwargs):
+        graph.append(compat.pending_hlo_text(_live_pending_tensors()))
+        raise _StepBoundary
+
+    def optimizer_step(optimizer, *args, **kwargs):
+        optimizer.step(**(kwargs.get("optimizer_args") or {}))
+        boundary()
+
+    saved = [(torch_xla, "sync"), (xm, "mark_step"), (xm, "optimizer_step")]
+    originals = [getattr(owner, name) for owner, name in saved]
+    torch_xla.sync, xm.mark_step, xm.optimizer_step = boundary, boundary, optimizer_step
+    try:
+        yield
+    finally:
+        for (owner, name), original in zip(saved, originals):
+            setattr(owner, name, original)
+
+
+def run_script(script: str, script_args: list[str], topology: str) -> Report:
+    """Run a torch_xla training script up to its first step boundary and check that step."""
+    import torch_xla  # noqa: F401
+
+    parse_topology(topology)
+    sys.argv, graph = [script, *script_args], []
+    with planned_for_tpu(), _watching_executions() as state, _stopping_at_the_first_boundary(graph):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except _StepBoundary:
+            pass
+        except Exception as error:
+            if state["executed"]() or state["line"]:
+                raise _early(state, error) from error
+            raise
+        else:
+            raise SplashConstraintError(
+                f"{script} ended without a step boundary (torch_xla.sync(), xm.mark_step(), "
+                "xm.optimizer_step(...) or a torch_xla.compile'd step): there is no step to check."
+            )
+        if state["executed"]():
+            raise _early(state)
+    return compile_step_hlo(graph[0], topology, _partitions())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_splash.fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", default="v5e", help="v5e, v5e:2x2, v5e:4x4, v6e:2x2, v5p:2x2x1, ...")
+    parser.add_argument("--compile-hlo", help=argparse.SUPPRESS)
+    parser.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("script", nargs="?")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    if options.compile_hlo:  # the compiler's own process
+        print(json.dumps(_compile_here(options.compile_hlo, options.topology, options.partitions)), flush=True)
+        return 0
+    if not options.script:
+        parser.error("give the training script to check")
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    try:
+        report = run_script(options.script, options.script_args, options.topology)
+    except SplashConstraintError as error:
+        print(f"torch_splash.fit: {error}", file=sys.stderr)
+        return 2
+    print(f"torch_splash.fit: {report}")
+    return 0 if report.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
