@@ -74,22 +74,22 @@ def tpu_memory(chips: int, steps: list[tuple[str, int]]) -> list[dict]:
 
 
 def _tpu_worker(chips: int, steps: list[str]) -> None:
-    from torch_splash import _transport
+    from torch_splash.fit import planned_for_tpu
 
-    _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
-    if chips > 1:
-        import torch_xla.runtime as xr
+    with planned_for_tpu():  # plan and lower the kernels for TPU
+        if chips > 1:
+            import torch_xla.runtime as xr
 
-        xr.use_spmd()
-    import bench_tpu_memory
+            xr.use_spmd()
+        import bench_tpu_memory
 
-    target = {1: "v5e", 4: "v5e:2x2", 16: "v5e:4x4"}[chips]
-    for mask, length in (step.split(":") for step in steps):
-        length = int(length)
-        start = time.perf_counter()
-        row = bench_tpu_memory.measure(length, True, target, chips, "balanced" if chips > 1 else None, mask)
-        seconds = round(time.perf_counter() - start, 1)
-        print(json.dumps(dict(mask=mask, chips=chips, L=length, seconds=seconds, **row)), flush=True)
+        target = {1: "v5e", 4: "v5e:2x2", 16: "v5e:4x4"}[chips]
+        for mask, length in (step.split(":") for step in steps):
+            length = int(length)
+            start = time.perf_counter()
+            row = bench_tpu_memory.measure(length, True, target, chips, "balanced" if chips > 1 else None, mask)
+            seconds = round(time.perf_counter() - start, 1)
+            print(json.dumps(dict(mask=mask, chips=chips, L=length, seconds=seconds, **row)), flush=True)
 
 
 def cpu_step_time(length: int, rounds: int) -> list[dict]:

@@ -122,42 +122,42 @@ def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -
 
 
 def run(quick: bool) -> dict:
-    from torch_splash import _transport
+    from torch_splash.fit import planned_for_tpu
     from torch_splash_jax import aot, mosaic
 
-    _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
-    generations = ["v5e"] if quick else ["v5e", "v6e"]
-    lengths = [2048] if quick else [2048, 8192, 32768, 131072]
-    rows = []
-    for generation in generations:
-        for length in lengths:
-            for name in ("splash", "sdpa"):
-                start = time.perf_counter()
-                result = measure(length, name == "splash", generation)
-                rows.append(
-                    dict(
-                        generation=generation,
-                        L=length,
-                        impl=name,
-                        **result,
-                        seconds=round(time.perf_counter() - start, 1),
-                    )
-                )
-                print(json.dumps(rows[-1]), flush=True)
-    largest = {}
-    if not quick:
+    with planned_for_tpu():  # plan and lower the kernels for TPU
+        generations = ["v5e"] if quick else ["v5e", "v6e"]
+        lengths = [2048] if quick else [2048, 8192, 32768, 131072]
+        rows = []
         for generation in generations:
-            for name in ("splash", "sdpa"):
-                largest[f"{generation}/{name}"] = largest_fitting(name == "splash", generation, 8192, 1 << 20)
-                print(generation, name, "largest L:", largest[f"{generation}/{name}"], flush=True)
-    return dict(
-        shape=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16", mask="causal"),
-        libtpu=mosaic.PINNED_LIBTPU,
-        mosaic_ir_version=mosaic.ir_version(),
-        topologies=aot.TOPOLOGIES,
-        rows=rows,
-        largest=largest,
-    )
+            for length in lengths:
+                for name in ("splash", "sdpa"):
+                    start = time.perf_counter()
+                    result = measure(length, name == "splash", generation)
+                    rows.append(
+                        dict(
+                            generation=generation,
+                            L=length,
+                            impl=name,
+                            **result,
+                            seconds=round(time.perf_counter() - start, 1),
+                        )
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
+        largest = {}
+        if not quick:
+            for generation in generations:
+                for name in ("splash", "sdpa"):
+                    largest[f"{generation}/{name}"] = largest_fitting(name == "splash", generation, 8192, 1 << 20)
+                    print(generation, name, "largest L:", largest[f"{generation}/{name}"], flush=True)
+        return dict(
+            shape=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16", mask="causal"),
+            libtpu=mosaic.PINNED_LIBTPU,
+            mosaic_ir_version=mosaic.ir_version(),
+            topologies=aot.TOPOLOGIES,
+            rows=rows,
+            largest=largest,
+        )
 
 
 def main():

@@ -50,6 +50,15 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture
+def planned_for_tpu():
+    """The test's torch_xla CPU-device tensors get kernels planned and lowered for TPU."""
+    from torch_splash.fit import planned_for_tpu
+
+    with planned_for_tpu():
+        yield
+
+
+@pytest.fixture
 def xla_device():
     import torch_xla
 

@@ -125,7 +125,7 @@ def test_training_in_graph_is_one_graph_per_step_and_matches_sdpa(xla_device, mo
     assert dl_executions[-1] > executions[-1]  # DLPack syncs the lazy graph at every attention call
 
 
-def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, monkeypatch):
+def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, planned_for_tpu):
     """What torch_xla would compile on a TPU, built here: attention() with its kernels planned and
     lowered for TPU, forward and backward left in the lazy graph of torch_xla's CPU device (nothing
     executes: a Mosaic call cannot run on a CPU). JAX, whose only backend here is the CPU, lowered
@@ -136,9 +136,6 @@ def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, monkey
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from torch_splash import _transport
-
-    monkeypatch.setattr(_transport, "platform_of", lambda device: "tpu")
     q, k, v = make_qkv(2, 4, 2, 256, 256, 64, 64, torch.float32, device=xla_device)
     ids = torch.zeros(2, 256, dtype=torch.int32, device=xla_device)
     torch_xla.sync()

@@ -397,16 +397,13 @@ def test_training_on_the_xla_device_matches_sdpa_and_compiles_once(xla_device):
     assert [executed for _, _, executed, _ in got] == [1, 1, 1]
 
 
-def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, monkeypatch):
+def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, planned_for_tpu):
     """The HF step's graph, with the kernels planned and lowered for TPU (built on the CPU device,
     never executed): every attention layer adds its forward, dq and dkv Mosaic calls."""
     import gc
 
     import torch_xla
 
-    from torch_splash import _transport
-
-    monkeypatch.setattr(_transport, "platform_of", lambda device: "tpu")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.LlamaConfig(**SMALL), attn_implementation="splash"

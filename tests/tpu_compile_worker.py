@@ -192,46 +192,46 @@ def step(spmd: bool) -> None:
     import torch_xla
 
     import torch_splash
-    from torch_splash import _transport
+    from torch_splash.fit import planned_for_tpu
     from torch_splash_jax import aot, compat
 
-    _transport.platform_of = lambda device: "tpu"  # plan and lower the kernels for TPU
-    device = torch_xla.device()
-    mesh, spec = None, None
-    if spmd:
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
-
-        mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
-        spec = ("data", "model", None, None)
-
-    def splash(q, k, v):
-        return torch_splash.attention(q, k, v, "causal", partition_spec=spec, mesh=mesh)
-
-    def sdpa(q, k, v):
+    with planned_for_tpu():  # plan and lower the kernels for TPU
+        device = torch_xla.device()
+        mesh, spec = None, None
         if spmd:
+            import numpy as np
             import torch_xla.distributed.spmd as xs
 
-            for t in (q, k, v):
-                xs.mark_sharding(t, mesh, spec)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+            spec = ("data", "model", None, None)
 
-    for name, attention in (("splash", splash), ("sdpa", sdpa)):
-        tensors = _tiny_model_step(device, attention)
-        text = compat.pending_hlo_text(tensors)
-        try:
-            memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
-            _emit(
-                step=name,
-                spmd=spmd,
-                bytes=memory.total,
-                temp=memory.temp,
-                mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
-                sharded=text.count("sharding={devices=["),
-            )
-        except Exception as exc:
-            _emit(step=name, spmd=spmd, error=_error(exc))
-        del tensors  # never executed: a Mosaic call cannot run on the CPU
+        def splash(q, k, v):
+            return torch_splash.attention(q, k, v, "causal", partition_spec=spec, mesh=mesh)
+
+        def sdpa(q, k, v):
+            if spmd:
+                import torch_xla.distributed.spmd as xs
+
+                for t in (q, k, v):
+                    xs.mark_sharding(t, mesh, spec)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        for name, attention in (("splash", splash), ("sdpa", sdpa)):
+            tensors = _tiny_model_step(device, attention)
+            text = compat.pending_hlo_text(tensors)
+            try:
+                memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
+                _emit(
+                    step=name,
+                    spmd=spmd,
+                    bytes=memory.total,
+                    temp=memory.temp,
+                    mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
+                    sharded=text.count("sharding={devices=["),
+                )
+            except Exception as exc:
+                _emit(step=name, spmd=spmd, error=_error(exc))
+            del tensors  # never executed: a Mosaic call cannot run on the CPU
 
 
 if __name__ == "__main__":
