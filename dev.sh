@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The two set-up commands of the README:
 #   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
-#   ./dev.sh test [args]   installs what is missing, runs the test suite on the torch_xla set (extra args go to pytest)
+#   ./dev.sh test [args]   installs what is missing, runs the test suite on both tested sets (extra args
+#                          go to pytest): test-xla, then test-current
 # and the rest:
-#   ./dev.sh test-current [args]   the current set (Python 3.12, torch 2.14, jax 0.12, TorchTPU): every test
-#                          that needs no torch_xla (deselected: -m xla), in .venv-current
+#   ./dev.sh test-xla [args]       the torch_xla set (Python 3.11, torch 2.9, torch_xla 2.9, jax 0.7.1), in .venv:
+#                          every test but TorchTPU's (-m torchtpu)
+#   ./dev.sh test-current [args]   the current set (Python 3.12, torch 2.14, jax 0.12, TorchTPU), in
+#                          .venv-current: every test that needs no torch_xla (-m xla)
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 #   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
@@ -66,8 +69,22 @@ install_libtpu() {
 cmd="${1:-}"; shift || true
 case "$cmd" in
   test-current) install .venv-current 3.12 locks/current-py312.txt ;;
+  test) install .venv 3.11 locks/xla-py311.txt; install .venv-current 3.12 locks/current-py312.txt ;;
   *) install .venv 3.11 locks/xla-py311.txt ;;
 esac
+workers="${TORCH_SPLASH_TEST_WORKERS:-2}"
+# The torch_xla set; TorchTPU's tests are deselected (their package and libtpu are the current set's).
+test_xla() {
+  install_libtpu
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slow and not torchtpu" "$@"
+}
+# The current set. TorchTPU's libtpu (in the venv, where TorchTPU installs it) serves the TPU compile
+# checks; torch_splash keeps JAX on the CPU where TorchTPU is installed, and the test processes are told so too.
+test_current() {
+  TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    JAX_PLATFORMS=cpu .venv-current/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
+    -m "not slow and not xla" "$@"
+}
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 case "$cmd" in
   demo) exec .venv/bin/python examples/quickstart.py "$@" ;;
@@ -76,15 +93,16 @@ case "$cmd" in
   # stretches. Files go out longest first (tests/conftest.py). TORCH_SPLASH_TEST_WORKERS=0 (or -n 0)
   # runs everything in one process.
   # -m: a -m among the extra arguments comes later and replaces it (`-m slow`: the slow sweeps only).
-  test) install_libtpu
-    exec .venv/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
-      -m "not slow and not torchtpu" "$@" ;;
-  # TorchTPU's libtpu (in the venv, where TorchTPU installs it) serves the TPU compile checks;
-  # TorchTPU keeps JAX on the CPU in torch_splash, but the test processes are told so too.
-  test-current) export TORCH_SPLASH_LIBTPU_DIR
-    TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    JAX_PLATFORMS=cpu exec .venv-current/bin/python -m pytest -n "${TORCH_SPLASH_TEST_WORKERS:-2}" --dist loadfile \
-      --no-loadscope-reorder -m "not slow and not xla" "$@" ;;
+  # Both sets, each in full; the run fails when either does. With pytest arguments that select
+  # only one set's tests, the other collects none (pytest's exit 5), which is not a failure.
+  test) status=0
+    echo "[dev.sh] the torch_xla set (locks/xla-py311.txt)" >&2
+    test_xla "$@" || { rc=$?; [ $rc -eq 5 ] && [ $# -gt 0 ] || status=$rc; }
+    echo "[dev.sh] the current set (locks/current-py312.txt)" >&2
+    test_current "$@" || { rc=$?; [ $rc -eq 5 ] && [ $# -gt 0 ] || status=$rc; }
+    exit $status ;;
+  test-xla) test_xla "$@" ;;
+  test-current) test_current "$@" ;;
   lock) uv=(.venv/bin/python -m uv pip compile -q pyproject.toml --extra test)
     "${uv[@]}" --extra xla -c locks/xla.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o locks/xla-py311.txt
     "${uv[@]}" --extra torchtpu -c locks/current.in --python-version 3.12 --python-platform x86_64-manylinux_2_31 \
@@ -99,6 +117,6 @@ case "$cmd" in
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
+  *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
           "bench-transports | bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac
