@@ -234,7 +234,9 @@ def _sequence(r: dict) -> str:
 
 def _fit(r: dict) -> str:
     lines = [
-        f"| {r['model']} | L | fits | HBM per chip (GiB) | the compiler's figure when not |",
+        f"{r['model']}.",
+        "",
+        "| attention | L | fits | HBM per chip (GiB) | the compiler's figure when not (GiB) |",
         "|---|---|---|---|---|",
     ]
     for row in r["rows"]:

@@ -77,7 +77,7 @@ def main():
     print(f"splash: the longest length searched that fits is {best}")
     results = dict(
         rows=rows,
-        model=f"LlamaForCausalLM, 2 layers, {sizes}, bf16, vocab 512, B=1",
+        model=f"LlamaForCausalLM, 2 layers, {', '.join(f'{k} {v}' for k, v in sizes.items())}, bf16, vocab 512, B=1",
         topology=args.topology,
         largest_splash=best,
         searched=sorted(searched),
