@@ -410,10 +410,10 @@ def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKe
 
 
 class _ProgramCache:
-    """The programs of the most recently used plans, with the memory JAX keeps for them bounded:
-    each time the cache has turned over, JAX's caches are cleared and the freed heap returned to
-    the OS (torch_splash_jax.policy says why, and how to turn it off). The live programs then recompile on
-    their next call: at most once per turnover, and never for a workload whose shapes fit."""
+    """The programs of the most recently used plans. With $TORCH_SPLASH_CLEAR_JAX_CACHES=1, each
+    time the cache has turned over, JAX's caches are cleared and the freed heap returned to the OS
+    (torch_splash_jax.policy says why it is opt-in). The live programs then recompile on their
+    next call: at most once per turnover, and never for a workload whose shapes fit."""
 
     def __init__(self, size: int):
         self.size = size

@@ -7,11 +7,11 @@ JAX's own caches. A Program's jitted functions die with it, but JAX's tracing ca
 0.6 MB per distinct shape keyed on the splash kernel's long-lived jitted function, and release it
 only at their own bounds (thousands of entries; 1.7 GB after 1,100 shapes, measured). Clearing
 only the splash kernel's own jit cache does not release them (measured with tests/test_memory.py:
-926 live jaxprs against 714). So each time the program cache has turned over (evicted as many
-programs as it holds) it calls `jax.clear_caches()`, which also clears the caller's own JAX caches
-in the same process. A workload whose shapes fit in the cache evicts nothing and never clears.
-$TORCH_SPLASH_CLEAR_JAX_CACHES=0 turns it off, for a process whose own JAX compilations matter
-more than torch_splash's memory.
+926 live jaxprs against 714), and `jax.clear_caches()` clears the caller's own JAX caches too. So
+clearing is opt-in: with $TORCH_SPLASH_CLEAR_JAX_CACHES=1, each time the program cache has turned
+over (evicted as many programs as it holds) it calls `jax.clear_caches()` and returns the freed
+heap to the OS, which bounds a process that keeps meeting new shapes (a server, varied lengths).
+A workload whose shapes fit in the cache evicts nothing and never clears either way.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
 PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
 # See the module docstring.
-CLEAR_JAX_CACHES = os.environ.get("TORCH_SPLASH_CLEAR_JAX_CACHES", "1") != "0"
+CLEAR_JAX_CACHES = os.environ.get("TORCH_SPLASH_CLEAR_JAX_CACHES", "0") == "1"
 # torch_splash_jax.plan.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
 PLANS = 1024
 # torch_splash_jax.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
