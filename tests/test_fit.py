@@ -121,3 +121,38 @@ def test_a_libtpu_folder_without_libtpu_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_SPLASH_LIBTPU_DIR", str(tmp_path / "empty"))
     with pytest.raises(torch_splash.SplashConstraintError, match="holds no libtpu"):
         fit.libtpu_dir()
+
+
+SPMD_SCRIPT = """
+import numpy as np
+import torch
+import torch_xla, torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+import torch_splash
+
+xr.use_spmd()
+device = torch_xla.device()
+mesh = xs.Mesh(np.arange(4), (4,), ("seq",))
+qkv = torch.nn.Linear(256, 768).to(device)
+opt = torch.optim.SGD(qkv.parameters(), lr=0.1)
+x = torch.randn(1, 4096, 256).to(device)
+q, k, v = (t.view(1, 4096, 4, 64).transpose(1, 2) for t in qkv(x).chunk(3, -1))
+out = torch_splash.attention(
+    q, k, v, "causal", partition_spec=(None, None, "seq", None), mesh=mesh, sequence_layout="balanced"
+)
+out.square().mean().backward()
+xm.optimizer_step(opt)
+"""
+
+
+def test_an_spmd_step_with_the_sequence_sharded_compiles_for_a_slice(tmp_path):
+    """The query sequence sharded over a 4-device mesh (balanced): one partition per device,
+    compiled for the 4 chips of v5e:2x2."""
+    script = tmp_path / "spmd.py"
+    script.write_text(textwrap.dedent(SPMD_SCRIPT))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    command = [sys.executable, "-m", "torch_splash.fit", "--topology", "v5e:2x2", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch_splash.fit: v5e:2x2, 4 chips: fits:" in done.stdout, done.stdout
