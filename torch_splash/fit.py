@@ -42,10 +42,12 @@ from ._transport import planned_for_tpu
 
 __all__ = ["Report", "check", "largest_fitting", "main", "planned_for_tpu"]
 
-# HBM per chip (what the compiler reports as capacity: v5e "Used ... of 15.75G").
-CAPACITY_GIB = {"v4": 32.0, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25, "v7x": 94.75}
-_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|v7x)(?::(\d+(?:x\d+){1,2}))?$")
-_DEFAULT_SHAPE = {"v4": "2x2x1", "v5e": "2x2", "v5p": "2x2x1", "v6e": "2x2", "v7x": "2x2x1"}
+# HBM per chip, as libtpu 0.0.21's compiler states it when a step does not fit (measured: v5e
+# "Used 49.17G of 15.75G hbm"; the others in "Allocation ... would exceed memory (size=...)"). A
+# refusal's own figure replaces it. (That libtpu knows no v7x.)
+CAPACITY_GIB = {"v4": 32.0, "v5e": 15.75, "v5p": 96.0, "v6e": 31.5}
+_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e)(?::(\d+(?:x\d+){1,2}))?$")
+_DEFAULT_SHAPE = {"v4": "2x2x1", "v5e": "2x2", "v5p": "2x2x1", "v6e": "2x2"}
 
 
 class EarlyExecution(SplashConstraintError):
@@ -96,9 +98,7 @@ def parse_topology(topology: str) -> tuple[str, str]:
             f"topology={topology!r} is not one torch_splash.fit knows: use one of {known} (e.g. v5e:2x2, v5e:4x4)."
         )
     generation, shape = found.group(1), found.group(2)
-    if shape is None:
-        return generation, aot.TOPOLOGIES[generation]
-    return generation, f"{'tpu7x' if generation == 'v7x' else generation}:{shape}"  # libtpu's name for v7x
+    return generation, aot.TOPOLOGIES[generation] if shape is None else f"{generation}:{shape}"
 
 
 def libtpu_dir() -> pathlib.Path:
@@ -143,7 +143,9 @@ def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Repor
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"torch_splash.fit: the TPU compiler's process failed:\n{done.stderr[-3000:]}")
-    return Report(topology=topology, capacity=int(CAPACITY_GIB[generation] * (1 << 30)), **json.loads(lines[-1]))
+    fields = json.loads(lines[-1])
+    fields.setdefault("capacity", int(CAPACITY_GIB[generation] * (1 << 30)))  # the compiler's own when it refused
+    return Report(topology=topology, **fields)
 
 
 def _compile_here(path: str, topology: str, partitions: int) -> dict:
@@ -152,7 +154,8 @@ def _compile_here(path: str, topology: str, partitions: int) -> dict:
     try:
         memory = aot.compile_hlo(aot.hlo_text_to_proto(pathlib.Path(path).read_text()), topology, partitions)
     except aot.OutOfMemory as oom:
-        return dict(chips=chips, fits=False, needed=int(oom.used), needed_is_lower_bound=oom.lower_bound)
+        needed, capacity = int(oom.used), int(oom.capacity)
+        return dict(chips=chips, fits=False, needed=needed, needed_is_lower_bound=oom.lower_bound, capacity=capacity)
     except Exception as error:  # another refusal: its first lines, not swallowed
         return dict(chips=chips, fits=False, error="\n".join(str(error).splitlines()[:8]))
     return dict(
