@@ -156,3 +156,9 @@ def test_an_spmd_step_with_the_sequence_sharded_compiles_for_a_slice(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch_splash.fit: v5e:2x2, 4 chips: fits:" in done.stdout, done.stdout
+
+
+def test_a_refusal_other_than_memory_is_shown_not_swallowed():
+    report = fit.compile_step_hlo("HloModule broken\n\nENTRY main { oops }", "v5e")
+    assert not report.fits and report.needed is None and report.error, report
+    assert "refused the step" in str(report) and report.error.splitlines()[0] in str(report)
