@@ -77,8 +77,10 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
     tensors = program.arguments(kernel, tables, **named)
     if sharding is None:
         return _transport.run(fn, tensors, transport, plan.platform)
-    table_roles = ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes()] if tables else []
-    roles = [_ROLES.get(name) or table_roles[int(name[5:])] for name in program.signature(kernel)]
+    names = program.signature(kernel)
+    # the names _ROLES does not know are the tables, in the order table_axes() describes them
+    table_roles = iter("head_tables" if "heads" in axes else "tables" for axes in program.table_axes())
+    roles = [_ROLES[name] if name in _ROLES else next(table_roles) for name in names]
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 

@@ -46,8 +46,7 @@ __all__ = ["Report", "check", "largest_fitting", "main", "planned_for_tpu"]
 # "Used 49.17G of 15.75G hbm"; the others in "Allocation ... would exceed memory (size=...)"). A
 # refusal's own figure replaces it. (That libtpu knows no v7x.)
 CAPACITY_GIB = {"v4": 32.0, "v5e": 15.75, "v5p": 96.0, "v6e": 31.5}
-_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e)(?::(\d+(?:x\d+){1,2}))?$")
-_DEFAULT_SHAPE = {"v4": "2x2x1", "v5e": "2x2", "v5p": "2x2x1", "v6e": "2x2"}
+_TOPOLOGY = re.compile(rf"^({'|'.join(CAPACITY_GIB)})(?::(\d+(?:x\d+){{1,2}}))?$")
 
 
 class EarlyExecution(SplashConstraintError):
@@ -93,7 +92,7 @@ def parse_topology(topology: str) -> tuple[str, str]:
     """(generation, libtpu topology name): "v5e" -> one host of v5e ("v5e:2x2"), "v5e:4x4" as given."""
     found = _TOPOLOGY.match(topology or "")
     if found is None:
-        known = ", ".join(f"{g}[:{s}]" for g, s in _DEFAULT_SHAPE.items())
+        known = ", ".join(f"{g}[:{aot.TOPOLOGIES[g].split(':')[1]}]" for g in CAPACITY_GIB)
         raise SplashConstraintError(
             f"topology={topology!r} is not one torch_splash.fit knows: use one of {known} (e.g. v5e:2x2, v5e:4x4)."
         )
@@ -246,6 +245,21 @@ def _early(state, error: BaseException | None = None) -> EarlyExecution:
     )
 
 
+@contextlib.contextmanager
+def _building_one_step():
+    """Inside: the step's graph is built with the kernels planned for TPU; anything that executed
+    part of it before its boundary is reported as EarlyExecution (naming the line it can find)."""
+    with planned_for_tpu(), _watching_executions() as state:
+        try:
+            yield
+        except Exception as error:
+            if state["executed"]() or state["line"]:
+                raise _early(state, error) from error
+            raise
+        if state["executed"]():
+            raise _early(state)
+
+
 def _partitions() -> int:
     import torch_xla.runtime as xr
 
@@ -261,15 +275,8 @@ def check(step_fn, *args, topology: str = "v5e", **kwargs) -> Report:
     from torch_splash_jax import compat
 
     parse_topology(topology)
-    with planned_for_tpu(), _watching_executions() as state:
-        try:
-            step_fn(*args, **kwargs)
-        except Exception as error:
-            if state["executed"]() or state["line"]:
-                raise _early(state, error) from error
-            raise
-        if state["executed"]():
-            raise _early(state)
+    with _building_one_step():
+        step_fn(*args, **kwargs)
         hlo = compat.pending_hlo_text(_live_pending_tensors())
     return compile_step_hlo(hlo, topology, _partitions())
 
@@ -329,22 +336,16 @@ def run_script(script: str, script_args: list[str], topology: str) -> Report:
 
     parse_topology(topology)
     sys.argv, graph = [script, *script_args], []
-    with planned_for_tpu(), _watching_executions() as state, _stopping_at_the_first_boundary(graph):
+    with _building_one_step(), _stopping_at_the_first_boundary(graph):
         try:
             runpy.run_path(script, run_name="__main__")
         except _StepBoundary:
             pass
-        except Exception as error:
-            if state["executed"]() or state["line"]:
-                raise _early(state, error) from error
-            raise
-        else:
-            raise SplashConstraintError(
-                f"{script} ended without a step boundary (torch_xla.sync(), xm.mark_step(), "
-                "xm.optimizer_step(...) or a torch_xla.compile'd step): there is no step to check."
-            )
-        if state["executed"]():
-            raise _early(state)
+    if not graph:
+        raise SplashConstraintError(
+            f"{script} ended without a step boundary (torch_xla.sync(), xm.mark_step(), "
+            "xm.optimizer_step(...) or a torch_xla.compile'd step): there is no step to check."
+        )
     return compile_step_hlo(graph[0], topology, _partitions())
 
 
