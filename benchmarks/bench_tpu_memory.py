@@ -42,11 +42,19 @@ def per_head_mask():
     return [torch_splash.masks.CausalMask() if h % 2 == 0 else window for h in range(HEADS)]
 
 
-def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None = None, mask: str = "causal") -> str:
+def step_hlo(
+    length: int,
+    use_splash: bool,
+    shards: int = 1,
+    layout: str | None = None,
+    mask: str = "causal",
+    context_parallel: str | None = None,
+) -> str:
     """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph.
     shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
     have enabled with as many devices): activations along the sequence, attention with the query
-    sequence sharded in `layout`. mask: "causal", or "per-head" (`per_head_mask`, splash only)."""
+    sequence sharded in `layout`, by `context_parallel` ("all_gather" or "ring"). mask: "causal",
+    or "per-head" (`per_head_mask`, splash only)."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -66,7 +74,12 @@ def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None 
 
         mesh = xs.Mesh(np.arange(shards), (shards,), ("seq",))
         xs.mark_sharding(x, mesh, (None, "seq", None))
-        options = dict(partition_spec=(None, None, "seq", None), mesh=mesh, sequence_layout=layout)
+        options = dict(
+            partition_spec=(None, None, "seq", None),
+            mesh=mesh,
+            sequence_layout=layout,
+            context_parallel=context_parallel,
+        )
     q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
     q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
     if use_splash:
@@ -82,14 +95,20 @@ def step_hlo(length: int, use_splash: bool, shards: int = 1, layout: str | None 
 
 
 def measure(
-    length: int, use_splash: bool, generation: str, shards: int = 1, layout: str | None = None, mask: str = "causal"
+    length: int,
+    use_splash: bool,
+    generation: str,
+    shards: int = 1,
+    layout: str | None = None,
+    mask: str = "causal",
+    context_parallel: str | None = None,
 ) -> dict:
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
     names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
     from torch_splash_jax import SplashConstraintError, aot
 
     try:
-        text = step_hlo(length, use_splash, shards, layout, mask)
+        text = step_hlo(length, use_splash, shards, layout, mask, context_parallel)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
     proto = aot.hlo_text_to_proto(text)

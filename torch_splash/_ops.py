@@ -17,7 +17,7 @@ import torch
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, policy
 
-from . import _sharding, _transport
+from . import _ring, _sharding, _transport
 
 # Ops take tensors, ints and strings, not objects: a call's plan (and SPMD sharding, if any)
 # reaches them as its number in this registry, and each op looks its program up in torch_splash_jax's
@@ -61,15 +61,12 @@ def _registered_plan(number: int) -> tuple[torch_splash_jax.Plan, _sharding.Shar
         ) from None
 
 
-# How each named input of a program is sharded under SPMD (_sharding.Sharding.spec).
-_ROLES = {"q": "q", "k": "kv", "v": "kv", "q_ids": "q_ids", "kv_ids": "kv_ids", "sinks": "sinks"}
-_ROLES.update(out="q", lse="lse", d_out="q")
-
-
 def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple) -> list[torch.Tensor]:
     """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options)."""
     plan, sharding = _registered_plan(number)
     program = torch_splash_jax.program(plan)
+    if plan.ring:
+        return _ring.run(program, sharding, kernel, named, _ring_tables(plan, named["q"].device))
     fn = getattr(program, kernel)
     # a sharded program takes every device's block tables (and query positions), split along the
     # sequence and the heads
@@ -78,15 +75,21 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
     if sharding is None:
         return _transport.run(fn, tensors, transport, plan.platform)
     names = program.signature(kernel)
-    # the names _ROLES does not know are the tables, in the order table_axes() describes them
+    # the names ROLES does not know are the tables, in the order table_axes() describes them
     table_roles = iter("head_tables" if "heads" in axes else "tables" for axes in program.table_axes())
-    roles = [_ROLES[name] if name in _ROLES else next(table_roles) for name in names]
+    roles = [_sharding.ROLES[name] if name in _sharding.ROLES else next(table_roles) for name in names]
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
 
 @functools.lru_cache(maxsize=policy.TABLE_TENSORS)
 def _table_tensors(plan: torch_splash_jax.Plan, device: torch.device) -> list[torch.Tensor]:
     return [torch.from_numpy(a).to(device) for a in torch_splash_jax.program(plan).tables()]
+
+
+@functools.lru_cache(maxsize=policy.TABLE_TENSORS)
+def _ring_tables(plan: torch_splash_jax.Plan, device: torch.device) -> list[list[torch.Tensor]]:
+    program = torch_splash_jax.program(plan)
+    return [[torch.from_numpy(a).to(device) for a in program.tables(s)] for s in range(plan.q_shards)]
 
 
 def _inputs(q, k, v, q_ids, kv_ids, sinks) -> dict:

@@ -26,12 +26,17 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import torch
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, compat
 
 from . import _checks, _transport
+
+# How each named input of a program is sharded under SPMD (`Sharding.spec`).
+ROLES = {"q": "q", "k": "kv", "v": "kv", "q_ids": "q_ids", "kv_ids": "kv_ids", "sinks": "sinks"}
+ROLES.update(out="q", lse="lse", d_out="q")
 
 
 def _axes(entry) -> tuple:
@@ -48,6 +53,13 @@ class Sharding:
     heads: object  # mesh axis name(s) for dim 1, or None
     seq: object = None  # mesh axis name(s) for dim 2 of q, or None
     layout: str = "contiguous"  # of the query sequence over its shards: "contiguous" or "balanced"
+    # "all_gather": k and v reach every device of the sequence axis whole; "ring": they are sharded
+    # like q (in its layout) and passed around the sequence axis (torch_splash._ring).
+    context_parallel: str = "all_gather"
+
+    @property
+    def ring(self) -> bool:
+        return self.context_parallel == "ring"
 
     @property
     def q_shards(self) -> int:
@@ -87,24 +99,31 @@ class Sharding:
             return (self.seq,) + (None,) * (ndim - 1)
         if role == "head_tables":
             return (self.seq, self.heads) + (None,) * (ndim - 2)
+        kv_seq = self.seq if self.ring else None
         return {
             "q": (self.batch, self.heads, self.seq, None),
-            "kv": (self.batch, self.heads, None, None),
+            "kv": (self.batch, self.heads, kv_seq, None),
             "lse": (self.batch, self.heads, self.seq),
             "q_ids": (self.batch, self.seq),
-            "kv_ids": (self.batch, None),
+            "kv_ids": (self.batch, kv_seq),
             "sinks": (self.heads,),
             "d_sinks": (_joined(self.batch, self.seq), self.heads),
             "dkv": (self.seq, self.batch, self.heads, None, None),
         }[role]
 
     def to_layout(self, call):
-        """The call with q and its segment ids in the sequence layout the shards hold."""
+        """The call with q and its segment ids (and for a ring k, v and theirs) in the sequence
+        layout the shards hold."""
         if self.layout != "balanced":
             return call
         order = self._balanced_chunks()
-        ids = call.segment_ids and (_chunks_in_order(call.segment_ids[0], 1, order), call.segment_ids[1])
-        return dataclasses.replace(call, q=_chunks_in_order(call.q, 2, order), segment_ids=ids)
+        ids = call.segment_ids
+        if ids:
+            ids = (_chunks_in_order(ids[0], 1, order), _chunks_in_order(ids[1], 1, order) if self.ring else ids[1])
+        call = dataclasses.replace(call, q=_chunks_in_order(call.q, 2, order), segment_ids=ids)
+        if self.ring:
+            call = dataclasses.replace(call, k=_chunks_in_order(call.k, 2, order), v=_chunks_in_order(call.v, 2, order))
+        return call
 
     def from_layout(self, out: torch.Tensor) -> torch.Tensor:
         """The output back in the caller's sequence order, sharded like q."""
@@ -122,17 +141,34 @@ class Sharding:
 
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
+        outs = _transport.run(fn, self.enter(tensors, in_roles), "graph", platform)
+        return self.leave(outs, out_roles)
+
+    def enter(self, tensors, roles) -> list[torch.Tensor]:
+        """Each device's shard of `tensors` (by role), entering the manual-sharding region."""
         import torch_xla.distributed.spmd as xs
 
         # Fresh tensors: annotating is in place, and the caller's tensors may be sharded otherwise
         # (XLA then reshards the copy, as shard_map reshards to its in_specs). Not clone(): the
         # clone of a materialised tensor keeps its sharding, and annotating it anew fails.
-        local = [
+        return [
             xs.enable_manual_sharding(t + 0, self.spec(r, t.dim()), mesh=self.mesh).global_tensor
-            for t, r in zip(tensors, in_roles)
+            for t, r in zip(tensors, roles)
         ]
-        outs = _transport.run(fn, local, "graph", platform)
-        return [self._global(o, r) for o, r in zip(outs, out_roles)]
+
+    def leave(self, outs, roles) -> list[torch.Tensor]:
+        """Devices' outputs (by role) as global tensors, leaving the manual-sharding region."""
+        return [self._global(o, r) for o, r in zip(outs, roles)]
+
+    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(source, target) device ids that pass a shard one place onwards along the sequence
+        axis, on every ring of the mesh (one per combination of the other axes' indices)."""
+        names = list(self.mesh.axis_names) if self.mesh.axis_names else []
+        seq = [names.index(a) if isinstance(a, str) else a for a in _axes(self.seq)]
+        ids = np.asarray(self.mesh.device_ids).reshape(self.mesh.mesh_shape)
+        others = [i for i in range(ids.ndim) if i not in seq]
+        rings = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
+        return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in rings for i in range(len(r)))
 
     def _global(self, local: torch.Tensor, role: str) -> torch.Tensor:
         """A device's output back as the global tensor. Gradients that sum over rows other devices
@@ -141,7 +177,7 @@ class Sharding:
         added up outside it, where XLA can all-reduce them."""
         import torch_xla.distributed.spmd as xs
 
-        if role == "kv" and self.seq is not None:
+        if role == "kv" and self.seq is not None and not self.ring:
             role = "dkv"
         partial = role in ("d_sinks", "dkv")
         if partial:
@@ -166,10 +202,18 @@ def _joined(*entries):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def check(partition_spec, mesh, call, transport: str | None, sequence_layout: str | None = None) -> Sharding | None:
+def check(
+    partition_spec, mesh, call, transport: str | None, sequence_layout: str | None = None, context_parallel=None
+) -> Sharding | None:
     """The Sharding of a checked call, or None; SplashConstraintError for what cannot be sharded."""
     torch_splash_jax.check_sequence_layout(sequence_layout)
+    torch_splash_jax.check_context_parallel(context_parallel)
     if partition_spec is None:
+        if context_parallel == "ring":
+            raise SplashConstraintError(
+                "context_parallel='ring' passes k and v around the devices the query sequence is sharded over: pass "
+                "a partition_spec that shards it, e.g. (None, None, 'seq', None), and its mesh."
+            )
         if mesh is not None:
             raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
         if sequence_layout == "balanced":
@@ -208,11 +252,24 @@ def check(partition_spec, mesh, call, transport: str | None, sequence_layout: st
         if isinstance(axis, str) and axis not in names:
             raise SplashConstraintError(f"partition_spec names mesh axis {axis!r}; the mesh has axes {names}.")
     batch, q_heads, kv_heads = call.q.shape[0], call.q.shape[1], call.k.shape[1]
-    sharding = Sharding(mesh, spec[0], spec[1], spec[2], sequence_layout or "contiguous")
+    sharding = Sharding(
+        mesh, spec[0], spec[1], spec[2], sequence_layout or "contiguous", context_parallel or "all_gather"
+    )
     if sequence_layout == "balanced" and spec[2] is None:
         raise SplashConstraintError(
             f"sequence_layout='balanced' with partition_spec={partition_spec!r}, which does not shard the query "
             "sequence: name a mesh axis for dim 2, or leave sequence_layout unset."
+        )
+    if sharding.ring and sharding.q_shards < 2:
+        where = (
+            "leaves the query sequence whole"
+            if spec[2] is None
+            else f"shards the sequence over {spec[2]!r}, of 1 device"
+        )
+        raise SplashConstraintError(
+            f"context_parallel='ring' with partition_spec={partition_spec!r}, which {where}: a ring needs the "
+            "query sequence sharded over 2 or more devices. Name a mesh axis of size > 1 for dim 2, or leave "
+            "context_parallel unset."
         )
     b, h = sharding.shards(spec[0]), sharding.shards(spec[1])
     if batch % b:

@@ -20,10 +20,11 @@ def _plan(
     """The plan of a checked call: at the shapes each device sees when sharded."""
     batch, q_heads, q_len, head_dim = call.q.shape
     kv_heads = call.k.shape[1]
-    q_shards, layout, head_shards = 1, "contiguous", 1
+    q_shards, layout, head_shards, context_parallel = 1, "contiguous", 1, "all_gather"
     if sharding is not None:
         batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
         q_shards, layout, head_shards = sharding.q_shards, sharding.layout, sharding.shards(sharding.heads)
+        context_parallel = sharding.context_parallel
     return torch_splash_jax.plan(
         batch=batch,
         num_q_heads=q_heads,
@@ -43,6 +44,7 @@ def _plan(
         q_shards=q_shards,
         sequence_layout=layout,
         head_shards=head_shards,
+        context_parallel=context_parallel,
     )
 
 
@@ -61,6 +63,7 @@ def attention(
     mesh=None,
     sinks: torch.Tensor | None = None,
     sequence_layout: str | None = None,
+    context_parallel: str | None = None,
 ) -> torch.Tensor:
     """Splash attention: softmax(scale * q k^T + mask) v, through the JAX Pallas splash kernels.
 
@@ -88,6 +91,11 @@ def attention(
         sequence_layout: with the query sequence sharded, "contiguous" (default: each device holds
             consecutive rows) or "balanced" (each device holds two mirrored chunks, so that causal
             work is even); applied and undone here, the caller's tensors stay in order.
+        context_parallel: with the query sequence sharded, "all_gather" (default: k and v are
+            gathered whole on every device; fastest where it fits) or "ring" (k and v are sharded
+            like q and passed around the sequence axis step by step, merging by logsumexp, so
+            that no device holds more than one shard of them: memory per device falls with the
+            devices). The ring needs Lkv divisible like Lq.
         sinks: (Hq,) attention sinks (gpt-oss): one logit per query head that every row also
             normalises over, as if a key with that logit and a zero value were always visible.
 
@@ -116,6 +124,7 @@ def attention(
         mesh=mesh,
         sinks=sinks,
         sequence_layout=sequence_layout,
+        context_parallel=context_parallel,
     )
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
@@ -139,11 +148,12 @@ def _attention(
     mesh=None,
     sinks=None,
     sequence_layout=None,
+    context_parallel=None,
 ) -> torch.Tensor:
     if mask_source is not None:
         mask = _compile.from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
-    sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout)
+    sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout, context_parallel)
     if sharding is not None:
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))

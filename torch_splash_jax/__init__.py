@@ -17,7 +17,15 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import BlockSizes, Plan, balanced_chunk_order, check_sequence_layout, lane_padded, plan
+from .plan import (
+    BlockSizes,
+    Plan,
+    balanced_chunk_order,
+    check_context_parallel,
+    check_sequence_layout,
+    lane_padded,
+    plan,
+)
 
 __all__ = [
     "BlockSizes",
@@ -37,6 +45,7 @@ __all__ = [
     "SplashVersionError",
     "TRACES",
     "balanced_chunk_order",
+    "check_context_parallel",
     "check_sequence_layout",
     "lane_padded",
     "plan",

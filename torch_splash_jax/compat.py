@@ -264,6 +264,17 @@ def hlo_module_from_text(text: str) -> bytes:
     return parse(text).as_serialized_hlo_module_proto()
 
 
+def hlo_module_from_stablehlo(text: str) -> bytes:
+    """StableHLO text as a serialized HLO module (what torch_xla splices into its lazy graph)."""
+    try:
+        from jax._src.lib import xla_client
+
+        convert = xla_client._xla.mlir.mlir_module_to_xla_computation
+    except (ImportError, AttributeError) as error:
+        raise _moved("mlir_module_to_xla_computation", error) from None
+    return convert(text, use_tuple_args=False, return_tuple=True).as_serialized_hlo_module_proto()
+
+
 def compile_hlo_for(proto: bytes, targets: tuple, partitions: int):
     """Compile a serialized HLO module for these (deviceless TPU) devices; the executable."""
     from jax._src.lib import xla_client

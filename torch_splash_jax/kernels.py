@@ -76,7 +76,7 @@ class Program:
         # and no output block would ever be written): the answer is 0 with zero gradients.
         self.no_pairs = not (self._infos[1][0].block_mask.any() if self.sharded else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
-        self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
+        self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows() or plan.ring
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
@@ -152,6 +152,15 @@ class Program:
             mine.append(compat.mask_info(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence))
         mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
         return _kernel(self.plan, mine, mask_function), kept
+
+    def has_work(self, tables):
+        """Whether this device's slice of a sharded program's tables has a block to compute: a
+        traced bool (a ring step where it has none skips its kernels)."""
+        if self.no_pairs:
+            return jnp.zeros((), bool)
+        positions, (forward, *_) = self._infos
+        block_mask = tables[(positions is not None) + len(_per_device(forward)) - 1]
+        return jnp.any(block_mask != 0)
 
     def _attend(self, kernel, q, k, v, segment_ids, sinks=None):
         # vmapped over batch; sinks, closed over, are shared by every batch element
@@ -366,18 +375,24 @@ def _table_infos(plan: Plan) -> tuple[np.ndarray | None, list]:
     into dkv), whose tables have a leading sequence-shard axis and then a head axis)."""
     shared = _masks.shared_structured_mask(plan.mask)
     positions = plan.shard_positions()
-    if shared is None:
+    kv_len = plan.kv_len
+    if shared is not None and not plan.ring:
+        build = functools.partial(_tables.sharded_mask_info, shared, positions)
+    else:  # stored blocks; a ring step's keys are not the ones the kernel counts, so it always has them
         heads = plan.mask.masks if isinstance(plan.mask, _masks.MultiHeadMask) else (plan.mask,)
         rows = np.where(np.arange(plan.q_len_padded) < plan.q_len, positions, -1)  # padding rows: hidden
+        kv_len *= plan.q_shards if plan.ring else 1
         build = functools.partial(
-            _tables.partial_mask_info, heads, rows, plan.q_len * plan.q_shards, head_shards=plan.head_shards
+            _tables.partial_mask_info,
+            heads,
+            rows,
+            plan.q_len * plan.q_shards,
+            head_shards=plan.head_shards,
+            kv_positions=plan.ring_kv_positions() if plan.ring else None,
         )
-    else:
-        build = functools.partial(_tables.sharded_mask_info, shared, positions)
-    infos = [
-        None if layout is None else build(plan.kv_len_padded, plan.kv_len, *layout) for layout in _kernel_tables(plan)
-    ]
-    return (positions if shared is not None else None), infos
+        positions = None
+    infos = [None if layout is None else build(plan.kv_len_padded, kv_len, *layout) for layout in _kernel_tables(plan)]
+    return positions, infos
 
 
 def _per_device(info: _mask_info.MaskInfo) -> list[np.ndarray]:
@@ -428,7 +443,7 @@ class _ProgramCache:
             if found is not None:
                 self._programs.move_to_end(plan)
                 return found
-        built = Program(plan)  # outside the lock: building tables can take seconds at long L
+        built = _ring_program(plan) if plan.ring else Program(plan)  # outside the lock: tables can take seconds
         with self._lock:
             found = self._programs.setdefault(plan, built)
             self._programs.move_to_end(plan)
@@ -449,6 +464,12 @@ class _ProgramCache:
         with self._lock:
             self._programs.clear()
             self._evicted = 0
+
+
+def _ring_program(plan: Plan):
+    from .ring import RingProgram  # which builds on Program
+
+    return RingProgram(plan)
 
 
 def _release_jax_caches() -> None:

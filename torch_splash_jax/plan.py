@@ -127,6 +127,15 @@ class Plan:
     # Heads split over devices, counted only for per-head masks (num_q_heads is one device's
     # heads, the mask has every device's): each device then takes its heads' block tables as inputs.
     head_shards: int = 1
+    # Context parallelism over the query-sequence shards: "all_gather" (every device sees every
+    # key; kv_len is all of them) or "ring" (k and v are sharded like q and pass around the ring:
+    # kv_len is one shard's keys, and ring_step says which shard's keys a program attends to).
+    context_parallel: str = "all_gather"
+    ring_step: int = 0
+
+    @property
+    def ring(self) -> bool:
+        return self.context_parallel == "ring"
 
     @property
     def lse_len(self) -> int:
@@ -136,15 +145,19 @@ class Plan:
     def shard_positions(self) -> np.ndarray:
         """(q_shards, q_len_padded) int32: the global query position of each row of each shard.
         Padded rows repeat the shard's last position (their outputs are dropped)."""
-        rows = self.q_len
-        if self.sequence_layout == "balanced":
-            chunk = rows // 2
-            order = np.array(balanced_chunk_order(self.q_shards))
-            real = (order[:, None] * chunk + np.arange(chunk)[None, :]).reshape(self.q_shards, rows).astype(np.int32)
-        else:
-            real = (np.arange(self.q_shards)[:, None] * rows + np.arange(rows)[None, :]).astype(np.int32)
-        pad = np.repeat(real[:, -1:], self.q_len_padded - rows, axis=1)
+        real = _layout_positions(self.q_len, self.q_shards, self.sequence_layout)
+        pad = np.repeat(real[:, -1:], self.q_len_padded - self.q_len, axis=1)
         return np.concatenate([real, pad], axis=1)
+
+    def ring_kv_positions(self) -> np.ndarray:
+        """(q_shards, kv_len_padded) int32, for a ring step: the global key position of each
+        column each device attends to at `ring_step`, when it holds the keys of the shard
+        `ring_step` places before its own (the ring passes k and v one shard onwards per step);
+        -1 for padding columns."""
+        real = _layout_positions(self.kv_len, self.q_shards, self.sequence_layout)
+        held = np.roll(real, self.ring_step, axis=0)  # device d holds shard (d - step) mod S
+        pad = np.full((self.q_shards, self.kv_len_padded - self.kv_len), -1, np.int32)
+        return np.concatenate([held, pad], axis=1)
 
     @property
     def is_mqa(self) -> bool:
@@ -152,6 +165,27 @@ class Plan:
 
     def block_sizes(self) -> dict:
         return dict(self.blocks)
+
+
+def _layout_positions(rows: int, shards: int, layout: str) -> np.ndarray:
+    """(shards, rows) int32: the global position of each of a shard's `rows` in that layout."""
+    if layout == "balanced":
+        chunk = rows // 2
+        order = np.array(balanced_chunk_order(shards))
+        return (order[:, None] * chunk + np.arange(chunk)[None, :]).reshape(shards, rows).astype(np.int32)
+    return (np.arange(shards)[:, None] * rows + np.arange(rows)[None, :]).astype(np.int32)
+
+
+CONTEXT_PARALLEL = ("all_gather", "ring")
+
+
+def check_context_parallel(strategy: str | None) -> None:
+    """SplashConstraintError unless `strategy` is a context-parallel strategy (or None)."""
+    if strategy not in (None, *CONTEXT_PARALLEL):
+        raise SplashConstraintError(
+            f"context_parallel={strategy!r}: expected 'all_gather' (k and v gathered whole on every device) or "
+            "'ring' (k and v passed around the sequence shards)."
+        )
 
 
 def check_sequence_layout(layout: str | None) -> None:
@@ -385,6 +419,7 @@ def plan(
     q_shards: int = 1,
     sequence_layout: str = "contiguous",
     head_shards: int = 1,
+    context_parallel: str = "all_gather",
 ) -> Plan:
     """Plan one attention call. Shapes must already be checked by the caller (the torch side).
 
@@ -420,10 +455,28 @@ def plan(
                 f"{parts} (pad the sequence, e.g. to {_round_up(q_len, parts)}, or use another shard count)."
             )
         q_len //= q_shards
+    check_context_parallel(context_parallel)
+    ring = context_parallel == "ring"
+    if ring:
+        if q_shards < 2:
+            raise SplashConstraintError(
+                f"context_parallel='ring' over {q_shards} query-sequence shard: a ring needs the sequence sharded "
+                "over 2 or more devices (name a mesh axis of size > 1 for dim 2 of partition_spec), or leave "
+                "context_parallel unset."
+            )
+        parts = q_shards * (2 if sequence_layout == "balanced" else 1)
+        if kv_len % parts:
+            raise SplashConstraintError(
+                f"Lkv={kv_len} does not split into the ring's {q_shards} shards"
+                f"{' of two mirrored chunks each' if sequence_layout == 'balanced' else ''}: with "
+                f"context_parallel='ring' k and v are sharded like q, so Lkv must be a multiple of {parts} (pad the "
+                f"sequence, e.g. to {_round_up(kv_len, parts)}, or use another shard count)."
+            )
+        kv_len //= q_shards
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
-    stored = shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
+    stored = ring or shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
     q_pad, kv_pad, blocks = plan_blocks(
         q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored
     )
@@ -448,4 +501,10 @@ def plan(
         q_shards=q_shards,
         sequence_layout=sequence_layout,
         head_shards=head_shards if per_head else 1,
+        context_parallel=context_parallel,
     )
+
+
+def ring_steps(plan: Plan) -> list[Plan]:
+    """The plan of each step of a ring plan: step s attends to the keys s shards back."""
+    return [dataclasses.replace(plan, ring_step=s) for s in range(plan.q_shards)]

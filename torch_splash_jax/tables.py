@@ -173,9 +173,9 @@ def sharded_mask_info(
 
 
 def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len: int, dense: dict) -> np.ndarray:
-    """(len(rows), len(cols)) bool: the mask at global query positions `rows` (-1: a padding row,
-    hidden) and keys `cols` (at or past kv_len: padding, hidden). `dense` caches the (Lq, Lkv)
-    arrays of masks that are data."""
+    """(len(rows), len(cols)) bool: the mask at global query positions `rows` and key positions
+    `cols` (-1: a padding row or column, hidden; keys at or past kv_len are padding too). `dense`
+    caches the (Lq, Lkv) arrays of masks that are data."""
     r, c = rows[:, None], cols[None, :]
     if spec.computable:
         allowed = spec.allows(r, c)
@@ -184,29 +184,30 @@ def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len
         if spec not in dense:
             dense[spec] = spec.dense(q_len, kv_len)
         allowed = dense[spec][np.clip(r, 0, q_len - 1), np.clip(c, 0, kv_len - 1)]
-    return np.broadcast_to(allowed, (r.size, c.size)) & (r >= 0) & (c < kv_len)
+    return np.broadcast_to(allowed, (r.size, c.size)) & (r >= 0) & (c >= 0) & (c < kv_len)
 
 
-def _head_blocks(spec: Mask, rows: np.ndarray, q_len: int, kv_len_padded: int, kv_len: int, block_kv: int, dense):
+def _head_blocks(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len: int, dense):
     """One head's block kinds (q blocks, kv blocks) for the q blocks of `rows` (q blocks,
-    block_q), and its partial blocks [(q block, kv block, bool block)] in row-major order. A
-    structured mask is classified from block bounds and only its partial blocks are evaluated; a
-    mask that is data is evaluated one row of blocks at a time."""
+    block_q) against the kv blocks of `cols` (kv blocks, block_kv), both global positions with -1
+    for padding, and its partial blocks [(q block, kv block, bool block)] in row-major order. A
+    structured mask is classified from block bounds (hulls, where positions are not consecutive)
+    and only its partial blocks are evaluated; a mask that is data is evaluated one row of blocks
+    at a time."""
     nq, block_q = rows.shape
-    nkv = kv_len_padded // block_kv
+    nkv, block_kv = cols.shape
     real = rows >= 0
+    real_cols = (cols >= 0) & (cols < kv_len)
     partial = []
     if spec.computable:
-        lo = np.where(real, rows, np.iinfo(np.int32).max).min(axis=1)
-        hi = rows.max(axis=1)
-        some = real.any(axis=1)
-        kinds = _classify(
-            spec, np.where(some, lo, 0)[:, None], np.where(some, hi, 0)[:, None], kv_len_padded, kv_len, block_kv
-        )
-        kinds[~some] = 0
-        kinds[(kinds == 2) & ~real.all(axis=1)[:, None]] = 1  # a padding row is hidden
+        lo, hi, some = _hull(rows, real)
+        k_lo, k_hi, k_some = _hull(cols, real_cols)
+        any_, all_ = spec.blocks(lo[:, None], hi[:, None], k_lo[None, :], k_hi[None, :])
+        any_ = np.broadcast_to(np.asarray(any_, bool), (nq, nkv)) & some[:, None] & k_some[None, :]
+        whole = real.all(axis=1)[:, None] & real_cols.all(axis=1)[None, :]  # no padding row or column
+        kinds = np.where(np.asarray(all_, bool) & whole, 2, np.where(any_, 1, 0)).astype(np.int32)
         for q, c in np.argwhere(kinds == 1):
-            block = _evaluate(spec, rows[q], np.arange(c * block_kv, (c + 1) * block_kv), q_len, kv_len, dense)
+            block = _evaluate(spec, rows[q], cols[c], q_len, kv_len, dense)
             if not block.any():
                 kinds[q, c] = 0
             elif block.all():
@@ -216,13 +217,20 @@ def _head_blocks(spec: Mask, rows: np.ndarray, q_len: int, kv_len_padded: int, k
         return kinds, partial
     kinds = np.zeros((nq, nkv), np.int32)
     for q in range(nq):
-        allowed = _evaluate(spec, rows[q], np.arange(kv_len_padded), q_len, kv_len, dense).reshape(
-            block_q, nkv, block_kv
-        )
+        allowed = _evaluate(spec, rows[q], cols.reshape(-1), q_len, kv_len, dense).reshape(block_q, nkv, block_kv)
         any_, all_ = allowed.any(axis=(0, 2)), allowed.all(axis=(0, 2))
         kinds[q] = np.where(all_, 2, np.where(any_, 1, 0))
         partial += [(q, c, allowed[:, c]) for c in np.flatnonzero(kinds[q] == 1)]
     return kinds, partial
+
+
+def _hull(positions: np.ndarray, real: np.ndarray):
+    """Per block (a row of `positions`): the lowest and highest real position, and whether it has
+    any (blocks without one get 0, 0)."""
+    some = real.any(axis=1)
+    lo = np.where(real, positions, np.iinfo(np.int32).max).min(axis=1)
+    hi = np.where(real, positions, np.iinfo(np.int32).min).max(axis=1)
+    return np.where(some, lo, 0), np.where(some, hi, 0), some
 
 
 def partial_mask_info(
@@ -235,9 +243,11 @@ def partial_mask_info(
     is_dkv: bool,
     shrink_grid: bool,
     head_shards: int = 1,
+    kv_positions: np.ndarray | None = None,
 ) -> _mask_info.MaskInfo:
     """The tables of every query-sequence shard for per-head masks and masks that are data, which
-    the kernel reads from stored partial blocks (no mask function).
+    the kernel reads from stored partial blocks (no mask function); and of a ring step, for every
+    mask.
 
     heads: one mask per query head, every head of every head shard. positions (S, P): the global
     query position of each row of each shard, -1 for a padding row. Lays the tables out as JAX's
@@ -246,19 +256,24 @@ def partial_mask_info(
     grid then shrinks), each shard's and head shard's "next" steps taken in its own grid order; and
     partial_mask_blocks (N, block_q, block_kv) ((N, block_kv, block_q) for dkv), the distinct
     partial blocks of every shard and head, which mask_next indexes. Rows need not be consecutive
-    positions (the balanced layout): each partial block is evaluated at its own rows."""
+    positions (the balanced layout): each partial block is evaluated at its own rows. kv_positions
+    (S, kv_len_padded): the global key position of each column each shard attends to, -1 for
+    padding (a ring step's); default: keys 0..kv_len for every shard, the columns past it padding."""
     block_q, block_kv = block_shape
     unique = list(dict.fromkeys(heads))  # numbered in order of first use, as JAX numbers masks
     shards = positions.shape[0]
     rows = positions.reshape(shards, -1, block_q)
-    nq, nkv = rows.shape[1], kv_len_padded // block_kv
+    if kv_positions is None:
+        kv_positions = np.broadcast_to(np.arange(kv_len_padded, dtype=np.int32), (shards, kv_len_padded))
+    cols = kv_positions.reshape(shards, -1, block_kv)
+    nq, nkv = rows.shape[1], cols.shape[1]
     kinds = np.zeros((shards, len(unique), nq, nkv), np.int32)
     ids = np.zeros_like(kinds)
     found: dict[bytes, int] = {}
     blocks, dense = [], {}
     for u, spec in enumerate(unique):
         for s in range(shards):
-            kinds[s, u], partial = _head_blocks(spec, rows[s], q_len, kv_len_padded, kv_len, block_kv, dense)
+            kinds[s, u], partial = _head_blocks(spec, rows[s], cols[s], q_len, kv_len, dense)
             for q, c, block in partial:
                 key = np.packbits(block).tobytes()
                 if key not in found:

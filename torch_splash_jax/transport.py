@@ -74,6 +74,38 @@ def lowered(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mo
         return traced.lower(lowering_platforms=(platform,))
 
 
+_MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "int64": "i64", "bool": "i1"}
+
+
+def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[tuple[int, int], ...]) -> bytes:
+    """A serialized HLO module that sends each argument (shape, dtype name) from device `source`
+    to device `target` for each (source, target) of `pairs`: one XLA collective permute per
+    argument, between partitions (each has a channel, as JAX's `ppermute` under `shard_map`
+    lowers; without one XLA would read the pairs as replicas). For torch_xla's manual-sharding
+    region, where every device runs the module on its own shard."""
+    listed = ", ".join(f"[{a}, {b}]" for a, b in pairs)
+    types = [f"tensor<{'x'.join(map(str, shape))}{'x' if shape else ''}{_MLIR_TYPES[dtype]}>" for shape, dtype in args]
+    params = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
+    body = [
+        f'    %p{i} = "stablehlo.collective_permute"(%a{i}) {{source_target_pairs = dense<[{listed}]> : '
+        f"tensor<{len(pairs)}x2xi64>, channel_handle = #stablehlo.channel_handle<handle = {i + 1}, type = 1>}} : "
+        f"({t}) -> {t}"
+        for i, t in enumerate(types)
+    ]
+    results = ", ".join(f"%p{i}" for i in range(len(types)))
+    text = "\n".join(
+        [
+            "module @ring_permute {",
+            f"  func.func public @main({params}) -> ({', '.join(types)}) {{",
+            *body,
+            f"    return {results} : {', '.join(types)}",
+            "  }",
+            "}",
+        ]
+    )
+    return compat.hlo_module_from_stablehlo(text)
+
+
 # Programs by number, for caches outside torch_splash_jax (torch_xla's in-graph functions, TorchTPU's one
 # `jax_op`, where the number is a static argument and part of TorchTPU's cache key): numbers are
 # never reused, so a cached number can never name another program, and programs are held weakly,

@@ -1,0 +1,98 @@
+"""Ring context parallelism under torch_xla SPMD: the loop over a ring's steps, in one
+manual-sharding region.
+
+Each device keeps its shard of q (and the q segment ids); k, v and the kv segment ids are sharded
+the same way and, between steps, passed one device onwards along the sequence axis by an XLA
+collective permute. Each step runs that step's program (torch_splash_jax.ring: the splash
+kernels with the step's block tables, merged by logsumexp) on whatever shard the device holds.
+In the backward, dq accumulates in place while dk and dv travel with the keys they belong to, and
+a last permute brings them home. No step depends on the permute that follows it, so XLA may run
+each permute while the step's kernels run. No device holds more than one shard of anything.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torch_splash_jax import compat, policy
+from torch_splash_jax import transport as _jax_transport
+
+from . import _sharding, _transport
+
+
+def run(program, sharding, kind: str, named: dict, tables: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The ring's forward ((out, lse); "infer": (out,)) or backward ((dq, dk, dv[, d_sinks])) on
+    global tensors (`named`, None for absent options), with every step's tables (every device's)."""
+    present = {name: t for name, t in named.items() if t is not None}
+    roles = [_sharding.ROLES[name] for name in present]
+    for step in range(len(tables)):
+        roles += ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes(step)]
+    local = sharding.enter([*present.values(), *(t for ts in tables for t in ts)], roles)
+    mine = dict(zip(present, local))
+    given = iter(local[len(present) :])
+    mine_tables = [[next(given) for _ in ts] for ts in tables]
+    platform = program.plan.platform
+    pairs = sharding.ring_pairs()
+    if kind == "backward":
+        return sharding.leave(_backward(program, mine, mine_tables, pairs, platform), ("q", "kv", "kv", "d_sinks"))
+    out, lse = _forward(program, mine, mine_tables, pairs, platform)
+    return sharding.leave([out, lse], ("q", "lse")) if kind == "forward" else sharding.leave([out], ("q",))
+
+
+def _forward(program, named, tables, pairs, platform):
+    held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
+    accumulated = {}
+    for step in range(len(tables)):
+        upcoming = _sent_on(held, accumulated, pairs, step + 1 < len(tables))
+        arrays = program.arguments("forward", step, tables[step], **{**named, **held, **accumulated})
+        accumulated = dict(
+            zip(("out_acc", "lse_acc"), _transport.run(program.forward[step], arrays, "graph", platform))
+        )
+        held = upcoming
+    finish = program.arguments("finish", **accumulated, sinks=named.get("sinks"))
+    return _transport.run(program.finish, finish, "graph", platform)
+
+
+def _backward(program, named, tables, pairs, platform):
+    held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
+    dq, with_keys, previous = {}, {}, {}
+    for step in range(len(tables)):
+        upcoming = _sent_on(held, previous, pairs, step + 1 < len(tables))
+        arrays = program.arguments("backward", step, tables[step], **{**named, **held, **dq, **with_keys})
+        dq_acc, dk_acc, dv_acc = previous = _transport.run(program.backward[step], arrays, "graph", platform)
+        dq, held = dict(dq_acc=dq_acc), upcoming
+        # dk and dv go on to the device that holds their keys next (home, after the last step)
+        with_keys = _passed_on(dict(dk_acc=dk_acc, dv_acc=dv_acc), pairs)
+    grads = [dq["dq_acc"], with_keys["dk_acc"], with_keys["dv_acc"]]
+    if "sinks" in named:
+        sinks = program.arguments("sinks_grad", **named)
+        grads += _transport.run(program.sinks_grad, sinks, "graph", platform)
+    return grads
+
+
+def _sent_on(held: dict, previous, pairs, more: bool) -> dict:
+    """The keys (and their ids) the next step holds (when there is one: `more`), sent on from
+    this device's. Neither they nor this step's kernels start before the previous step's results
+    are done (an optimization barrier ties the held keys to them): otherwise XLA may start every
+    step's permute at once, a device then holding every shard of k and v, or run the kernels ahead
+    of the sums that wait for dk and dv, each step's gradients kept alive until then."""
+    if previous:
+        import torch_xla.core.xla_model as xm
+
+        previous = previous.values() if isinstance(previous, dict) else previous
+        xm.optimization_barrier_([*held.values(), *previous])  # in place: later uses read its outputs
+    return _passed_on(held, pairs) if more else {}
+
+
+def _passed_on(tensors: dict, pairs) -> dict:
+    """Each tensor from every device to the next along the ring (one collective permute each)."""
+    args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors.values())
+    return dict(zip(tensors, _permute(args, pairs)(list(tensors.values()))))
+
+
+@functools.lru_cache(maxsize=policy.IN_GRAPH)
+def _permute(args: tuple, pairs: tuple):
+    """One in-graph function per shapes and ring: torch_xla then compiles the same graph each step."""
+    return compat.in_graph_function("ring_permute", _jax_transport.permute_module(args, pairs))
