@@ -14,6 +14,7 @@
 #   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
 #   ./dev.sh bench-sequence     runs benchmarks/bench_sequence.py (the query sequence sharded: blocks, HBM, time)
+#   ./dev.sh bench-context-parallel  runs benchmarks/bench_context_parallel.py (all-gather vs ring: HBM per chip)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
@@ -113,10 +114,11 @@ case "$cmd" in
   bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
   bench-sequence) install_libtpu; exec .venv/bin/python benchmarks/bench_sequence.py "$@" ;;
+  bench-context-parallel) install_libtpu; exec .venv/bin/python benchmarks/bench_context_parallel.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-sequence | bench-report | lint | hf-finetune | fit-llama | lock" >&2; exit 2 ;;
+          "bench-transports | bench-tpu-memory | bench-sequence | bench-context-parallel | bench-report | lint | hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

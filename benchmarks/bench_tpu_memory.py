@@ -49,12 +49,15 @@ def step_hlo(
     layout: str | None = None,
     mask: str = "causal",
     context_parallel: str | None = None,
+    generated_input: bool = False,
 ) -> str:
     """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph.
     shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
     have enabled with as many devices): activations along the sequence, attention with the query
     sequence sharded in `layout`, by `context_parallel` ("all_gather" or "ring"). mask: "causal",
-    or "per-head" (`per_head_mask`, splash only)."""
+    or "per-head" (`per_head_mask`, splash only). generated_input: the input activations made in
+    the step (random numbers the compiler counts as a temporary) instead of an argument, which
+    would be a host buffer of the whole sequence first."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -66,7 +69,10 @@ def step_hlo(
     torch.manual_seed(0)
     w_qkv = torch.randn(dim, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16).to(device).requires_grad_()
     w_out = torch.randn(dim, dim, dtype=torch.bfloat16).to(device).requires_grad_()
-    x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
+    if generated_input:
+        x = torch.randn(1, length, dim, dtype=torch.bfloat16, device=device)
+    else:
+        x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
     options = {}
     if shards > 1:
         import numpy as np
@@ -102,13 +108,14 @@ def measure(
     layout: str | None = None,
     mask: str = "causal",
     context_parallel: str | None = None,
+    generated_input: bool = False,
 ) -> dict:
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
     names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
     from torch_splash_jax import SplashConstraintError, aot
 
     try:
-        text = step_hlo(length, use_splash, shards, layout, mask, context_parallel)
+        text = step_hlo(length, use_splash, shards, layout, mask, context_parallel, generated_input)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
     proto = aot.hlo_text_to_proto(text)

@@ -232,6 +232,42 @@ def _sequence(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _context_parallel(r: dict) -> str:
+    shape = r["shape"]
+    rows = r["rows"]
+    lines = [
+        f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
+        f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}, {shape['layout']} layout; libtpu {r['libtpu']}. "
+        "HBM per chip; the 1/N column is the one-chip figure (the compiler's, where it does not fit) divided "
+        "by the chips.",
+        "",
+        "| L | chips | 1/N of one chip | all_gather | ring | ring / (1/N) |",
+        "|---|---|---|---|---|---|",
+    ]
+    found = {(row.get("slice"), row.get("strategy"), row.get("L")): row for row in rows}
+    one_chip = {row["L"]: row for row in rows if row.get("strategy") == "one_chip" and "bytes" in row}
+    slices = [(row["slice"], row["chips"]) for row in rows if row.get("chips", 1) > 1]
+    for slice_name, chips in dict.fromkeys(slices):
+        for length in sorted({row["L"] for row in rows if row.get("slice") == slice_name and "L" in row}):
+            ring = found.get((slice_name, "ring", length))
+            gather = found.get((slice_name, "all_gather", length))
+            single = one_chip.get(length)
+            share = single["bytes"] / chips if single else None
+            ratio = f"{ring['bytes'] / share:.2f}" if ring and share and "bytes" in ring else ""
+            lines.append(
+                f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{share / GiB:.2f} GiB' if share else ''} | "
+                f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} |"
+            )
+    errors = [row for row in rows if "error" in row]
+    for row in errors:
+        lines.append(f"\n{row['slice']}: the measuring process failed: {row['error']}")
+    return "\n".join(lines)
+
+
+def _tokens(length: int) -> str:
+    return f"{length // 2**20}M" if length % 2**20 == 0 else f"{length // 1024}K"
+
+
 def _fit(r: dict) -> str:
     lines = [
         f"{r['model']}.",
@@ -297,6 +333,14 @@ SECTIONS = {
         "whole). With contiguous shards the last device does almost all the causal work; the balanced "
         "layout gives each device two mirrored chunks.",
         _sequence,
+    ),
+    "context_parallel": (
+        "Context parallelism: all-gather vs ring, HBM per chip (TPU compiler)",
+        "The attention-block step with its sequence sharded over a v5e slice (and a v5p one), k and v gathered "
+        'whole on every chip (`context_parallel="all_gather"`) or passed around them (`"ring"`), compiled '
+        "by libtpu for that slice without a TPU; where the compiler refuses a step, the figure is the one it "
+        "reported. The input activations are generated in the step (temporaries, not arguments).",
+        _context_parallel,
     ),
     "fit": (
         "Will the step fit? An HF Llama training step on one v5e chip, splash vs sdpa (TPU compiler)",

@@ -50,6 +50,29 @@ CASES = {
     "seq4-tensor-balanced": ((None, None, ("data", "model"), None), 4, 2, "tensor", False, False),
     "heads-per-head-tensor": ((None, ("data", "model"), None, None), 4, 4, "per-head-tensor", True, False),
     "heads-seq-per-head-sinks-balanced": ((None, "data", "model", None), 4, 2, "per-head", True, True),
+    # context_parallel="ring": k and v sharded like q and passed around the sequence shards
+    "ring-seq4-causal-ids-sinks": ((None, None, ("data", "model"), None), 4, 2, "causal", True, True),
+    "ring-seq4-causal-ids-balanced": ((None, None, ("data", "model"), None), 4, 2, "causal", True, False),
+    "ring-seq4-window-mqa-ids-balanced": (
+        (None, None, ("data", "model"), None),
+        4,
+        1,
+        torch_splash.masks.LocalMask(40),
+        True,
+        False,
+    ),
+    "ring-seq4-chunked-ids": (
+        (None, None, ("data", "model"), None),
+        4,
+        2,
+        torch_splash.masks.ChunkedCausalMask(24),
+        True,
+        False,
+    ),
+    "ring-seq4-full-ids": ((None, None, ("data", "model"), None), 4, 2, None, True, False),
+    "ring-batch-seq-window-ids": (("data", None, "model", None), 4, 2, torch_splash.masks.LocalMask(40), True, False),
+    "ring-heads-seq-per-head-sinks-balanced": ((None, "data", "model", None), 4, 2, "per-head", True, True),
+    "ring-seq4-tensor-balanced": ((None, None, ("data", "model"), None), 4, 2, "tensor", False, False),
 }
 BALANCED = {
     "seq4-causal-balanced",
@@ -57,6 +80,10 @@ BALANCED = {
     "heads-seq-sinks-balanced",
     "seq4-tensor-balanced",
     "heads-seq-per-head-sinks-balanced",
+    "ring-seq4-causal-ids-balanced",
+    "ring-seq4-window-mqa-ids-balanced",
+    "ring-heads-seq-per-head-sinks-balanced",
+    "ring-seq4-tensor-balanced",
 }
 
 
@@ -88,7 +115,30 @@ def _recording_run(index, *args):
 _ops._run = _recording_run
 
 
-def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
+def ring_mosaic_calls(program, args):
+    import jax
+    import jax.export
+    import jax.numpy as jnp
+
+    p, step = program.plan, 1
+    tables = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.steps[step].device_tables(0)]
+    kernel_args = args[: 5 if p.has_segment_ids else 3]  # the steps see no sinks
+    rows, kv = (p.batch, p.num_q_heads, p.q_len), (p.batch, p.num_kv_heads, p.kv_len)
+    f32 = jnp.float32
+    accumulators = [jax.ShapeDtypeStruct(rows + (p.head_dim_v,), f32), jax.ShapeDtypeStruct(rows, f32)]
+    forward = jax.export.export(program.forward[step], platforms=["tpu"])(*kernel_args, *tables, *accumulators)
+    out = jax.ShapeDtypeStruct(rows + (p.head_dim_v,), f32)
+    lse = jax.ShapeDtypeStruct(rows[:2] + (p.q_len_padded,), f32)
+    grads = [
+        jax.ShapeDtypeStruct(shape, f32) for shape in (rows + (p.head_dim,), kv + (p.head_dim,), kv + (p.head_dim_v,))
+    ]
+    backward = jax.export.export(program.backward[step], platforms=["tpu"])(
+        *kernel_args, *tables, out, lse, out, *grads
+    )
+    return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)]
+
+
+def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False):
     """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
     shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
     import jax
@@ -101,7 +151,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
     call = _checks.check_call(
         *xla_in, mask, None, None if ids is None else ids.to(device), None, None if sinks is None else sinks.to(device)
     )
-    sharding = _sharding.check(spec, mesh, call, None, layout)
+    sharding = _sharding.check(spec, mesh, call, None, layout, "ring" if ring else None)
     call = sharding.spread_single_kv_head(call)
     plan = api._plan(call, None, "tpu", sharding)
     program = torch_splash_jax.program(plan)
@@ -118,6 +168,8 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout):
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
     if sinks is not None:
         args += [jax.ShapeDtypeStruct((plan.num_q_heads,), jnp.float32)]
+    if plan.ring:  # a middle step of the ring: its kernels, inside the branch for devices with work
+        return ring_mosaic_calls(program, args)
     args += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.device_tables(0)]  # one device's slice
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
     out, lse = jax.eval_shape(program.forward, *args)
@@ -135,13 +187,27 @@ ERRORS = {
     "balanced-chunks-do-not-split": ((None, None, ("data", "model"), None), 2, 4, 2, None, 20, "balanced"),
     "balanced-without-sequence-shards": (("data", None, None, None), 2, 4, 2, None, 16, "balanced"),
     "kv-sequence-sharded-alone": (("data", None, None, None), 2, 4, 2, None, 16, None, "kv-seq"),
+    "ring-without-sequence-shards": (("data", None, None, None), 2, 4, 2, None, 16, None, None, "ring"),
+    "ring-over-one-device": ((None, None, "one", None), 2, 4, 2, None, 16, None, None, "ring"),
+    "ring-sequence-does-not-split": (
+        (None, None, ("data", "model"), None),
+        2,
+        4,
+        2,
+        None,
+        20,
+        "balanced",
+        None,
+        "ring",
+    ),
 }
 
 
 def errors(mesh, device):
     """The SplashConstraintError message for each bad sharded call (raised before any kernel work)."""
+    one = xs.Mesh(np.arange(xr.global_runtime_device_count()), (4, 1), ("data", "one"))
     for name, (spec, b, hq, hkv, transport, *more) in ERRORS.items():
-        length, layout, mask = more + [16, None, None][len(more) :]
+        length, layout, mask, strategy = more + [16, None, None, None][len(more) :]
         q, k, v = (torch.zeros(b, h, length, 32, device=device) for h in (hq, hkv, hkv))
         if mask == "kv-seq":  # k, v sharded along their sequence by the caller, q's sequence whole
             mask = None
@@ -149,7 +215,15 @@ def errors(mesh, device):
                 xs.mark_sharding(t, mesh, (None, None, "model", None))
         try:
             torch_splash.attention(
-                q, k, v, mask, partition_spec=spec, mesh=mesh, transport=transport, sequence_layout=layout
+                q,
+                k,
+                v,
+                mask,
+                partition_spec=spec,
+                mesh=one if "one" in spec else mesh,
+                transport=transport,
+                sequence_layout=layout,
+                context_parallel=strategy,
             )
             message = None
         except torch_splash.SplashConstraintError as err:
@@ -166,6 +240,7 @@ def main(names):
         spec, hq, hkv, mask, with_ids, with_sinks = CASES[name]
         mask = _mask(mask)
         layout = "balanced" if name in BALANCED else None
+        ring = name.startswith("ring-")
         g = torch.Generator().manual_seed(0)
         b, length, d = 4, 200, 32
         cpu = [torch.randn(b, h, length, d, generator=g) for h in (hq, hkv, hkv)]
@@ -181,7 +256,7 @@ def main(names):
 
         xla_in = [t.to(device).requires_grad_() for t in cpu]
         xla_sinks = None if sinks is None else sinks.to(device).requires_grad_()
-        kv_spec = spec if hkv > 1 else (spec[0], None, None, None)
+        kv_spec = spec if hkv > 1 else (spec[0], None, spec[2] if ring else None, None)
         for t, s in zip(xla_in, (spec, kv_spec, kv_spec)):
             if name != "inputs-not-marked":  # otherwise XLA reshards them to partition_spec
                 xs.mark_sharding(t, mesh, s)
@@ -193,14 +268,16 @@ def main(names):
             partition_spec=spec,
             mesh=mesh,
             sequence_layout=layout,
+            context_parallel="ring" if ring else None,
         )
         (out * cotangent.to(device)).sum().backward()
         torch_xla.sync()
         local = {plan for plan, sharding in RAN if sharding is not None}
+        ring_steps = [len(torch_splash_jax.program(plan).steps) for plan in local if plan.ring]
         assert len(local) == 1, local
         local = local.pop()
         RAN.clear()
-        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout)
+        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring)
         if sinks is not None:
             xla_in, ref_in = xla_in + [xla_sinks], ref_in + [ref_sinks]
         print(
@@ -216,6 +293,8 @@ def main(names):
                     "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
                     "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads, local.q_len],
                     "tpu_custom_calls": tpu_calls,
+                    "ring_steps": ring_steps,
+                    "kv_sharding": torch_xla._XLAC._get_xla_sharding_spec(xla_in[1].grad),
                 }
             ),
             flush=True,

@@ -12,6 +12,8 @@ import pytest
 from test_sequence_sharding import DATA_MASKS, MASKS
 
 import torch_splash_jax
+from torch_splash_jax import SplashConstraintError
+from torch_splash_jax import masks as M
 
 _BLOCKS = torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
 
@@ -115,3 +117,54 @@ def test_ring_reproduces_the_unsharded_call(mask, layout):
         ids=mask in ("causal", "local", "chunked", "tensor"),  # packed documents crossing shard boundaries
         sinks=mask in ("chunked", "per-head"),
     )
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(q_shards=1), "context_parallel='ring' over 1 query-sequence shard: a ring needs"),
+        (dict(q_shards=4, kv_len=1030), "Lkv=1030 does not split into the ring's 4 shards: .* a multiple of 4"),
+        (dict(q_shards=4, kv_len=1028, sequence_layout="balanced"), "of two mirrored chunks each: .* a multiple of 8"),
+        (dict(q_shards=4, context_parallel="ulysses"), "context_parallel='ulysses': expected 'all_gather'"),
+    ],
+)
+def test_what_the_ring_cannot_serve_is_refused_when_planned(options, match):
+    options = dict(q_len=1024, kv_len=1024, context_parallel="ring", mask=M.CausalMask()) | options
+    with pytest.raises(SplashConstraintError, match=match):
+        torch_splash_jax.plan(**options)
+
+
+def test_ring_steps_without_work_skip_their_kernels():
+    # causal over contiguous shards: at step s only the devices past s see earlier keys; the others'
+    # tables are empty, which the step's lax.cond reads to skip the kernels
+    _, plan = _plans(M.CausalMask(), 4096, 4, "contiguous", block_sizes=_BLOCKS)
+    ring = torch_splash_jax.program(plan)
+    with_work = [
+        [bool(ring.steps[s].has_work([jnp.asarray(t) for t in ring.steps[s].device_tables(d)])) for d in range(4)]
+        for s in range(4)
+    ]
+    assert with_work == [[d >= s for d in range(4)] for s in range(4)]
+    _, balanced = _plans(M.CausalMask(), 4096, 4, "balanced", block_sizes=_BLOCKS)
+    ring = torch_splash_jax.program(balanced)
+    assert all(
+        ring.steps[s].has_work([jnp.asarray(t) for t in ring.steps[s].device_tables(d)])
+        for s in range(4)
+        for d in range(4)
+    )
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(context_parallel="ring"), "context_parallel='ring' passes k and v around the devices"),
+        (dict(context_parallel="striped"), "context_parallel='striped': expected 'all_gather'"),
+    ],
+)
+def test_ring_options_are_checked_before_any_kernel_work(options, match):
+    import torch
+
+    import torch_splash
+
+    q = torch.zeros(2, 4, 16, 32)
+    with pytest.raises(torch_splash.SplashConstraintError, match=match):
+        torch_splash.attention(q, q, q, "causal", **options)

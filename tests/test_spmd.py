@@ -36,6 +36,15 @@ EXPECTED = {
     "seq4-tensor-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
     "heads-per-head-tensor": ("{devices=[1,4,1,1]0,1,2,3}", [4, 1, 1, 200]),
     "heads-seq-per-head-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 2, 1, 100]),
+    # the ring: every device holds one shard of k and v too, and dk, dv come back sharded like them
+    "ring-seq4-causal-ids-sinks": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "ring-seq4-causal-ids-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "ring-seq4-window-mqa-ids-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 1, 50]),
+    "ring-seq4-chunked-ids": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "ring-seq4-full-ids": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
+    "ring-batch-seq-window-ids": ("{devices=[2,1,2,1]0,1,2,3}", [2, 4, 2, 100]),
+    "ring-heads-seq-per-head-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 2, 1, 100]),
+    "ring-seq4-tensor-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
 }
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
@@ -46,6 +55,9 @@ ERRORS = {
     "balanced-chunks-do-not-split": "Lq=20 does not split into 4 sequence shards of two mirrored chunks each",
     "balanced-without-sequence-shards": "which does not shard the query sequence",
     "kv-sequence-sharded-alone": "k is sharded along its sequence (2 ways) but partition_spec=",
+    "ring-without-sequence-shards": "which leaves the query sequence whole: a ring needs the query sequence sharded",
+    "ring-over-one-device": "shards the sequence over 'one', of 1 device: a ring needs",
+    "ring-sequence-does-not-split": "Lq=20 does not split into 4 sequence shards of two mirrored chunks each",
 }
 
 
@@ -68,6 +80,10 @@ def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
     assert len(result["grads"]) == (4 if "sinks" in case else 3)
     assert result["out_sharding"] == out_sharding  # the output stays sharded like q
     assert result["local_plan"] == local  # each device's kernels ran at its shard's shapes
+    if case.startswith("ring-"):  # one step per sequence shard; dk, dv sharded along the sequence as k
+        sequence_shards = 4 if "seq4" in case else 2
+        assert result["ring_steps"] == [sequence_shards]
+        assert result["kv_sharding"] == out_sharding
 
 
 @pytest.mark.parametrize("case", list(EXPECTED))

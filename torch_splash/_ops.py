@@ -66,7 +66,7 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
     plan, sharding = _registered_plan(number)
     program = torch_splash_jax.program(plan)
     if plan.ring:
-        return _ring.run(program, sharding, kernel, named, _ring_tables(plan, named["q"].device))
+        return _ring.run(program, sharding, kernel, named, _ring_tables(plan, sharding, named["q"].device))
     fn = getattr(program, kernel)
     # a sharded program takes every device's block tables (and query positions), split along the
     # sequence and the heads
@@ -76,7 +76,7 @@ def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple
         return _transport.run(fn, tensors, transport, plan.platform)
     names = program.signature(kernel)
     # the names ROLES does not know are the tables, in the order table_axes() describes them
-    table_roles = iter("head_tables" if "heads" in axes else "tables" for axes in program.table_axes())
+    table_roles = iter(_sharding.table_role(axes) for axes in program.table_axes())
     roles = [_sharding.ROLES[name] if name in _sharding.ROLES else next(table_roles) for name in names]
     return sharding.run(fn, tensors, roles, out_roles, plan.platform)
 
@@ -87,9 +87,17 @@ def _table_tensors(plan: torch_splash_jax.Plan, device: torch.device) -> list[to
 
 
 @functools.lru_cache(maxsize=policy.TABLE_TENSORS)
-def _ring_tables(plan: torch_splash_jax.Plan, device: torch.device) -> list[list[torch.Tensor]]:
+def _ring_tables(plan: torch_splash_jax.Plan, sharding: _sharding.Sharding, device) -> list[list[torch.Tensor]]:
+    """Every step's tables, each device holding only its own slice: the devices' tables of all
+    steps together are as large as the whole sequence's (one entry per q block x kv block)."""
     program = torch_splash_jax.program(plan)
-    return [[torch.from_numpy(a).to(device) for a in program.tables(s)] for s in range(plan.q_shards)]
+    return [
+        [
+            sharding.placed(torch.from_numpy(a).to(device), axes)
+            for a, axes in zip(program.tables(s), program.table_axes(s))
+        ]
+        for s in range(plan.q_shards)
+    ]
 
 
 def _inputs(q, k, v, q_ids, kv_ids, sinks) -> dict:

@@ -28,7 +28,7 @@ def run(program, sharding, kind: str, named: dict, tables: list[list[torch.Tenso
     present = {name: t for name, t in named.items() if t is not None}
     roles = [_sharding.ROLES[name] for name in present]
     for step in range(len(tables)):
-        roles += ["head_tables" if "heads" in axes else "tables" for axes in program.table_axes(step)]
+        roles += [_sharding.table_role(axes) for axes in program.table_axes(step)]
     local = sharding.enter([*present.values(), *(t for ts in tables for t in ts)], roles)
     mine = dict(zip(present, local))
     given = iter(local[len(present) :])

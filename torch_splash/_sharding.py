@@ -39,6 +39,11 @@ ROLES = {"q": "q", "k": "kv", "v": "kv", "q_ids": "q_ids", "kv_ids": "kv_ids", "
 ROLES.update(out="q", lse="lse", d_out="q")
 
 
+def table_role(axes: tuple[str, ...]) -> str:
+    """The role of a program's table split along `axes` (`Program.table_axes`)."""
+    return "head_tables" if "heads" in axes else "tables"
+
+
 def _axes(entry) -> tuple:
     return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
@@ -143,6 +148,14 @@ class Sharding:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
         outs = _transport.run(fn, self.enter(tensors, in_roles), "graph", platform)
         return self.leave(outs, out_roles)
+
+    def placed(self, table: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """A program's table (`Program.table_axes`) sharded as its role says, each device holding
+        its own slice from the start."""
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(table, self.mesh, self.spec(table_role(axes), table.dim()))
+        return table
 
     def enter(self, tensors, roles) -> list[torch.Tensor]:
         """Each device's shard of `tensors` (by role), entering the manual-sharding region."""

@@ -1,0 +1,120 @@
+"""Context parallelism, all-gather vs ring: HBM per chip of a training step, from the TPU compiler.
+
+The attention-block training step of bench_tpu_memory.py (B=1, 16 query heads, 8 kv heads,
+head_dim 128, bf16, causal, balanced layout) with its sequence sharded over the chips of a slice,
+once with `context_parallel="all_gather"` (k and v gathered whole on every chip) and once with
+`"ring"` (k and v passed around the chips), compiled for that slice by libtpu without a TPU. Next to
+them the same step on one chip (the compiler's figure, also when it does not fit), the 1/N
+reference. The input activations are generated inside the step (so that a 10M-token step needs no
+40 GiB host buffer); the compiler counts them as temporaries instead of arguments.
+
+    ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4; longer rings; 10M over v5p:4x4x4
+    ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies (the test suite runs this)
+
+Writes benchmarks/results/context_parallel.json (or context_parallel_quick.json); each slice's rows
+are printed as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import report  # benchmarks/report.py: results files and their tables
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+K, M = 1024, 1024 * 1024
+
+
+def measure(slice_name: str, chips: int, steps: list[tuple[str, int]]) -> list[dict]:
+    """Per-chip HBM of each (strategy, L) step over `chips` chips of `slice_name`, in a process of
+    its own (torch_xla SPMD over as many CPU devices, libtpu loaded)."""
+    from torch_splash_jax import aot
+
+    env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips))
+    args = [sys.executable, __file__, "--worker", slice_name, str(chips), *(f"{s}:{n}" for s, n in steps)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=4 * 3600, cwd=ROOT)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode and len(rows) < len(steps):  # a crash (the compiler's memory, say): say where
+        rows.append(dict(slice=slice_name, chips=chips, error=done.stderr.strip().splitlines()[-1][:300]))
+    return rows
+
+
+def _worker(slice_name: str, chips: int, steps: list[str]) -> None:
+    from torch_splash.fit import planned_for_tpu
+
+    with planned_for_tpu():  # plan and lower the kernels for TPU
+        if chips > 1:
+            import torch_xla.runtime as xr
+
+            xr.use_spmd()
+        import bench_tpu_memory
+
+        for strategy, length in (step.split(":") for step in steps):
+            start = time.perf_counter()
+            row = bench_tpu_memory.measure(
+                int(length),
+                True,
+                slice_name,
+                chips,
+                "balanced" if chips > 1 else None,
+                context_parallel=None if chips == 1 else strategy,
+                generated_input=True,
+            )
+            seconds = round(time.perf_counter() - start, 1)
+            print(
+                json.dumps(
+                    dict(slice=slice_name, chips=chips, strategy=strategy, L=int(length), seconds=seconds, **row)
+                )
+            )
+            sys.stdout.flush()
+
+
+def run(quick: bool, saved=lambda results: None) -> dict:
+    """Every slice's rows; `saved` gets the results so far after each slice (a full run takes
+    hours: the 16- and 64-chip programs unroll one step per chip)."""
+    if quick:
+        plans = [("v5e:2x2", 4, [("all_gather", 32 * K), ("ring", 32 * K)])]
+    else:
+        lengths = [256 * K, 1 * M, 4 * M]
+        both = [(strategy, n) for n in lengths for strategy in ("all_gather", "ring")]
+        plans = [
+            ("v5e:4x4", 16, both + [("ring", 8 * M)]),
+            ("v5p:4x4x4", 64, [("ring", 10 * M)]),
+            ("v5e:2x2", 4, both),
+            ("v5e", 1, [("one_chip", n) for n in lengths]),
+        ]
+    from torch_splash_jax import mosaic
+
+    results = dict(
+        shape=dict(batch=1, heads=16, kv_heads=8, head_dim=128, dtype="bfloat16", mask="causal", layout="balanced"),
+        libtpu=mosaic.PINNED_LIBTPU,
+        rows=[],
+    )
+    for slice_name, chips, steps in plans:
+        rows = measure(slice_name, chips, steps)
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        results["rows"] += rows
+        saved(results)
+    return results
+
+
+def main():
+    if sys.argv[1:2] == ["--worker"]:
+        return _worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (the test suite runs it)")
+    args = parser.parse_args()
+    command = "./dev.sh bench-context-parallel"
+    run(args.quick, lambda results: report.save("context_parallel", results, args.quick, command))
+
+
+if __name__ == "__main__":
+    main()
