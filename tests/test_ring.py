@@ -104,8 +104,24 @@ def ring_reproduces_the_unsharded_call(mask, length, shards, layout, kv_heads=2,
     return ring
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-@pytest.mark.parametrize("mask", list(MASKS) + list(DATA_MASKS))
+# Every family in both layouts; the default run takes a cross-section (about 12 s each on 2 cores),
+# -m slow the rest.
+_DEFAULT = {
+    ("causal", "contiguous"),
+    ("causal", "balanced"),
+    ("chunked", "balanced"),
+    ("prefix-lm", "contiguous"),
+    ("per-head", "balanced"),
+    ("tensor", "contiguous"),
+}
+_CASES = [
+    pytest.param(mask, layout, marks=[] if (mask, layout) in _DEFAULT else [pytest.mark.slow])
+    for mask in list(MASKS) + list(DATA_MASKS)
+    for layout in ("contiguous", "balanced")
+]
+
+
+@pytest.mark.parametrize("mask,layout", _CASES)
 def test_ring_reproduces_the_unsharded_call(mask, layout):
     spec = {**MASKS, **DATA_MASKS}[mask]
     ring_reproduces_the_unsharded_call(
