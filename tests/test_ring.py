@@ -151,22 +151,17 @@ def test_what_the_ring_cannot_serve_is_refused_when_planned(options, match):
 
 
 def test_ring_steps_without_work_skip_their_kernels():
-    # causal over contiguous shards: at step s only the devices past s see earlier keys; the others'
-    # tables are empty, which the step's lax.cond reads to skip the kernels
+    # causal over contiguous shards: at step s only the devices from s on see earlier keys; the
+    # others' tables are empty, which the step's lax.cond reads to skip the kernels there
     _, plan = _plans(M.CausalMask(), 4096, 4, "contiguous", block_sizes=_BLOCKS)
     ring = torch_splash_jax.program(plan)
-    with_work = [
-        [bool(ring.steps[s].has_work([jnp.asarray(t) for t in ring.steps[s].device_tables(d)])) for d in range(4)]
-        for s in range(4)
-    ]
-    assert with_work == [[d >= s for d in range(4)] for s in range(4)]
+    assert [ring.steps[s].devices_with_work() for s in range(4)] == [[d >= s for d in range(4)] for s in range(4)]
+    tables = [jnp.asarray(t) for t in ring.steps[1].device_tables(0)]
+    assert not ring.steps[1].has_work(tables)  # traced: the conditional decides on the device
+    # balanced: every device has work at every step, so the steps have no conditional at all
     _, balanced = _plans(M.CausalMask(), 4096, 4, "balanced", block_sizes=_BLOCKS)
     ring = torch_splash_jax.program(balanced)
-    assert all(
-        ring.steps[s].has_work([jnp.asarray(t) for t in ring.steps[s].device_tables(d)])
-        for s in range(4)
-        for d in range(4)
-    )
+    assert all(ring.steps[s].has_work([]) is True for s in range(4))
 
 
 @pytest.mark.parametrize(

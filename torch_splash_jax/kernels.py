@@ -153,11 +153,19 @@ class Program:
         mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
         return _kernel(self.plan, mine, mask_function), kept
 
+    def devices_with_work(self) -> list[bool]:
+        """For a sharded program: whether each sequence shard's tables have a block to compute."""
+        if self.no_pairs:
+            return [False] * self.plan.q_shards
+        block_mask = self._infos[1][0].block_mask
+        return [bool(b) for b in (block_mask != 0).reshape(block_mask.shape[0], -1).any(axis=1)]
+
     def has_work(self, tables):
         """Whether this device's slice of a sharded program's tables has a block to compute: a
-        traced bool (a ring step where it has none skips its kernels)."""
-        if self.no_pairs:
-            return jnp.zeros((), bool)
+        traced bool, or True when every device has one (a ring step where a device has none skips
+        its kernels there)."""
+        if all(self.devices_with_work()):
+            return True
         positions, (forward, *_) = self._infos
         block_mask = tables[(positions is not None) + len(_per_device(forward)) - 1]
         return jnp.any(block_mask != 0)
