@@ -34,6 +34,7 @@ def test_demo():
         ("bench-transports", "transports_quick.json", "graph"),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
         ("bench-sequence", "sequence_quick.json", "blocks"),
+        ("bench-context-parallel", "context_parallel_quick.json", "rows"),
         ("fit-llama", "fit_quick.json", "rows"),
     ],
 )
@@ -75,3 +76,15 @@ def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
     assert one["fits"] and four["fits"] and four["bytes"] < one["bytes"], (one, four)
     # a per-head mask (stored partial blocks, per-head tables split along the sequence) compiles too
     assert memory[("per-head", 4, 8192)]["fits"], memory
+
+
+def test_the_ring_compiles_for_tpu_beside_the_all_gather():
+    """From bench-context-parallel --quick: the TPU compiler compiles the ring's training step (every
+    step's Mosaic kernels, the collective permutes between them) for v5e:2x2, as it does the
+    all-gather's."""
+    path = RESULTS / "context_parallel_quick.json"
+    if not path.exists():
+        dev("bench-context-parallel", "--quick")
+    rows = {r["strategy"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["ring"]["fits"] and rows["all_gather"]["fits"], rows
+    assert rows["ring"]["bytes"] < 2 * rows["all_gather"]["bytes"], rows
