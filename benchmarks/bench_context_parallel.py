@@ -18,9 +18,11 @@ are printed as they are measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +48,33 @@ def measure(slice_name: str, chips: int, steps: list[tuple[str, int]]) -> list[d
     return rows
 
 
+def ring_overlap(scheduled: str, chips: int) -> dict:
+    """From the compiled program's schedule: how many of the ring's collective permutes (those
+    that pass a shard one device onwards) have a Mosaic kernel, or a conditional holding kernels,
+    scheduled between their start and their done (asynchronous with that kernel), and in schedule
+    order one mark per permute: "+" overlapping a kernel, "." not (the forward's k and v come first,
+    then the backward's k, v, dk and dv)."""
+    entry = scheduled[scheduled.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}\n")]
+    ring = "source_target_pairs={" + ",".join(f"{{{i},{(i + 1) % chips}}}" for i in range(chips)) + "}"
+    started, marks = {}, []
+    for line in (line.strip() for line in entry.splitlines()[1:]):
+        name = re.match(r"(?:ROOT )?%?([\w.\-]+) = ", line)
+        if name is None:
+            continue
+        if " conditional(" in line or 'custom_call_target="tpu_custom_call"' in line:
+            for start in started:
+                started[start] = True
+        if "collective-permute-start(" in line and ring in line:
+            started[name.group(1)] = False
+            marks.append(name.group(1))
+        done = re.search(r"collective-permute-done\(%?([\w.\-]+)\)", line)
+        if done and done.group(1) in started:
+            marks[marks.index(done.group(1))] = "+" if started.pop(done.group(1)) else "."
+    order = "".join(m if m in "+." else "?" for m in marks)
+    return dict(ring_permutes=len(order), overlapping_a_kernel=order.count("+"), permute_order=order)
+
+
 def _worker(slice_name: str, chips: int, steps: list[str]) -> None:
     from torch_splash.fit import planned_for_tpu
 
@@ -66,6 +95,7 @@ def _worker(slice_name: str, chips: int, steps: list[str]) -> None:
                 "balanced" if chips > 1 else None,
                 context_parallel=None if chips == 1 else strategy,
                 generated_input=True,
+                schedule=functools.partial(ring_overlap, chips=chips) if strategy == "ring" else None,
             )
             seconds = round(time.perf_counter() - start, 1)
             print(

@@ -109,9 +109,11 @@ def measure(
     mask: str = "causal",
     context_parallel: str | None = None,
     generated_input: bool = False,
+    schedule=None,
 ) -> dict:
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
-    names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1)."""
+    names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1).
+    schedule: a function of the compiled program's scheduled HLO text, whose dict joins the row."""
     from torch_splash_jax import SplashConstraintError, aot
 
     try:
@@ -121,7 +123,8 @@ def measure(
     proto = aot.hlo_text_to_proto(text)
     try:
         memory = aot.compile_hlo(proto, generation, partitions=shards)
-        return dict(fits=True, bytes=memory.total, temp=memory.temp)
+        row = dict(fits=True, bytes=memory.total, temp=memory.temp)
+        return row | (schedule(memory.schedule()) if schedule else {})
     except aot.OutOfMemory as oom:
         return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
     except Exception as error:  # anything else the compiler refuses (a kernel's scoped VMEM, say): its first line

@@ -241,8 +241,8 @@ def _context_parallel(r: dict) -> str:
         "HBM per chip; the 1/N column is the one-chip figure (the compiler's, where it does not fit) divided "
         "by the chips.",
         "",
-        "| L | chips | 1/N of one chip | all_gather | ring | ring / (1/N) |",
-        "|---|---|---|---|---|---|",
+        "| L | chips | 1/N of one chip | all_gather | ring | ring / (1/N) | ring permutes overlapping a kernel |",
+        "|---|---|---|---|---|---|---|",
     ]
     found = {(row.get("slice"), row.get("strategy"), row.get("L")): row for row in rows}
     one_chip = {row["L"]: row for row in rows if row.get("strategy") == "one_chip" and "bytes" in row}
@@ -254,9 +254,12 @@ def _context_parallel(r: dict) -> str:
             single = one_chip.get(length)
             share = single["bytes"] / chips if single else None
             ratio = f"{ring['bytes'] / share:.2f}" if ring and share and "bytes" in ring else ""
+            overlap = (
+                f"{ring['overlapping_a_kernel']} of {ring['ring_permutes']}" if ring and "ring_permutes" in ring else ""
+            )
             lines.append(
                 f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{share / GiB:.2f} GiB' if share else ''} | "
-                f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} |"
+                f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} | {overlap} |"
             )
     errors = [row for row in rows if "error" in row]
     for row in errors:

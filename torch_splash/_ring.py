@@ -12,12 +12,7 @@ each permute while the step's kernels run. No device holds more than one shard o
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-from torch_splash_jax import compat, policy
-from torch_splash_jax import transport as _jax_transport
 
 from . import _sharding, _transport
 
@@ -34,18 +29,17 @@ def run(program, sharding, kind: str, named: dict, tables: list[list[torch.Tenso
     given = iter(local[len(present) :])
     mine_tables = [[next(given) for _ in ts] for ts in tables]
     platform = program.plan.platform
-    pairs = sharding.ring_pairs()
     if kind == "backward":
-        return sharding.leave(_backward(program, mine, mine_tables, pairs, platform), ("q", "kv", "kv", "d_sinks"))
-    out, lse = _forward(program, mine, mine_tables, pairs, platform)
+        return sharding.leave(_backward(program, mine, mine_tables, sharding, platform), ("q", "kv", "kv", "d_sinks"))
+    out, lse = _forward(program, mine, mine_tables, sharding, platform)
     return sharding.leave([out, lse], ("q", "lse")) if kind == "forward" else sharding.leave([out], ("q",))
 
 
-def _forward(program, named, tables, pairs, platform):
+def _forward(program, named, tables, sharding, platform):
     held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
     accumulated = {}
     for step in range(len(tables)):
-        upcoming = _sent_on(held, accumulated, pairs, step + 1 < len(tables))
+        upcoming = _sent_on(held, accumulated, sharding, step + 1 < len(tables))
         arrays = program.arguments("forward", step, tables[step], **{**named, **held, **accumulated})
         accumulated = dict(
             zip(("out_acc", "lse_acc"), _transport.run(program.forward[step], arrays, "graph", platform))
@@ -55,16 +49,16 @@ def _forward(program, named, tables, pairs, platform):
     return _transport.run(program.finish, finish, "graph", platform)
 
 
-def _backward(program, named, tables, pairs, platform):
+def _backward(program, named, tables, sharding, platform):
     held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
     dq, with_keys, previous = {}, {}, {}
     for step in range(len(tables)):
-        upcoming = _sent_on(held, previous, pairs, step + 1 < len(tables))
+        upcoming = _sent_on(held, previous, sharding, step + 1 < len(tables))
         arrays = program.arguments("backward", step, tables[step], **{**named, **held, **dq, **with_keys})
         dq_acc, dk_acc, dv_acc = previous = _transport.run(program.backward[step], arrays, "graph", platform)
         dq, held = dict(dq_acc=dq_acc), upcoming
         # dk and dv go on to the device that holds their keys next (home, after the last step)
-        with_keys = _passed_on(dict(dk_acc=dk_acc, dv_acc=dv_acc), pairs)
+        with_keys = sharding.pass_on(dict(dk_acc=dk_acc, dv_acc=dv_acc))
     grads = [dq["dq_acc"], with_keys["dk_acc"], with_keys["dv_acc"]]
     if "sinks" in named:
         sinks = program.arguments("sinks_grad", **named)
@@ -72,7 +66,7 @@ def _backward(program, named, tables, pairs, platform):
     return grads
 
 
-def _sent_on(held: dict, previous, pairs, more: bool) -> dict:
+def _sent_on(held: dict, previous, sharding, more: bool) -> dict:
     """The keys (and their ids) the next step holds (when there is one: `more`), sent on from
     this device's. Neither they nor this step's kernels start before the previous step's results
     are done (an optimization barrier ties the held keys to them): otherwise XLA may start every
@@ -83,16 +77,4 @@ def _sent_on(held: dict, previous, pairs, more: bool) -> dict:
 
         previous = previous.values() if isinstance(previous, dict) else previous
         xm.optimization_barrier_([*held.values(), *previous])  # in place: later uses read its outputs
-    return _passed_on(held, pairs) if more else {}
-
-
-def _passed_on(tensors: dict, pairs) -> dict:
-    """Each tensor from every device to the next along the ring (one collective permute each)."""
-    args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors.values())
-    return dict(zip(tensors, _permute(args, pairs)(list(tensors.values()))))
-
-
-@functools.lru_cache(maxsize=policy.IN_GRAPH)
-def _permute(args: tuple, pairs: tuple):
-    """One in-graph function per shapes and ring: torch_xla then compiles the same graph each step."""
-    return compat.in_graph_function("ring_permute", _jax_transport.permute_module(args, pairs))
+    return sharding.pass_on(held) if more else {}

@@ -24,13 +24,15 @@ along it, with the query sequence whole, is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError, compat
+from torch_splash_jax import SplashConstraintError, compat, policy
+from torch_splash_jax import transport as jax_transport
 
 from . import _checks, _transport
 
@@ -173,15 +175,26 @@ class Sharding:
         """Devices' outputs (by role) as global tensors, leaving the manual-sharding region."""
         return [self._global(o, r) for o, r in zip(outs, roles)]
 
-    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(source, target) device ids that pass a shard one place onwards along the sequence
-        axis, on every ring of the mesh (one per combination of the other axes' indices)."""
+    def sequence_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The device ids along the sequence axis, in shard order, one group per combination of
+        the other axes' indices."""
         names = list(self.mesh.axis_names) if self.mesh.axis_names else []
         seq = [names.index(a) if isinstance(a, str) else a for a in _axes(self.seq)]
         ids = np.asarray(self.mesh.device_ids).reshape(self.mesh.mesh_shape)
         others = [i for i in range(ids.ndim) if i not in seq]
-        rings = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
-        return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in rings for i in range(len(r)))
+        groups = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
+        return tuple(tuple(int(i) for i in g) for g in groups)
+
+    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(source, target) device ids that pass a shard one place onwards along the sequence
+        axis, on every ring of the mesh."""
+        return tuple((r[i], r[(i + 1) % len(r)]) for r in self.sequence_groups() for i in range(len(r)))
+
+    def pass_on(self, tensors: dict) -> dict:
+        """Inside the manual-sharding region: each device's tensors sent to the next device of its
+        ring (one collective permute each)."""
+        args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors.values())
+        return dict(zip(tensors, _permute_function(args, self.ring_pairs())(list(tensors.values()))))
 
     def _global(self, local: torch.Tensor, role: str) -> torch.Tensor:
         """A device's output back as the global tensor. Gradients that sum over rows other devices
@@ -201,6 +214,12 @@ class Sharding:
 
     def _full_shape(self, t: torch.Tensor, spec) -> torch.Size:
         return torch.Size(d * self.shards(entry) for d, entry in zip(t.shape, spec))
+
+
+# One in-graph function per shapes and devices: torch_xla then sees the same graph every step.
+@functools.lru_cache(maxsize=policy.IN_GRAPH)
+def _permute_function(args: tuple, pairs: tuple):
+    return compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))
 
 
 def _chunks_in_order(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:

@@ -60,6 +60,11 @@ class Memory:
     temp: int
     aliased: int
     code: int
+    # The compiled program's HLO as scheduled (its text; made on demand: megabytes for a big step).
+    scheduled: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def schedule(self) -> str:
+        return self.scheduled() if self.scheduled else ""
 
     @property
     def total(self) -> int:
@@ -113,6 +118,7 @@ def _compiled(compile_for, module, targets: tuple, partitions: int) -> Memory:
         stats.temp_size_in_bytes,
         stats.alias_size_in_bytes,
         stats.generated_code_size_in_bytes,
+        lambda: executable.hlo_modules()[0].to_string(),
     )
 
 

@@ -77,33 +77,46 @@ def lowered(fn, args: tuple[tuple[tuple[int, ...], str], ...], platform: str, mo
 _MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "int64": "i64", "bool": "i1"}
 
 
-def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[tuple[int, int], ...]) -> bytes:
-    """A serialized HLO module that sends each argument (shape, dtype name) from device `source`
-    to device `target` for each (source, target) of `pairs`: one XLA collective permute per
-    argument, between partitions (each has a channel, as JAX's `ppermute` under `shard_map`
-    lowers; without one XLA would read the pairs as replicas). For torch_xla's manual-sharding
-    region, where every device runs the module on its own shard."""
-    listed = ", ".join(f"[{a}, {b}]" for a, b in pairs)
-    types = [f"tensor<{'x'.join(map(str, shape))}{'x' if shape else ''}{_MLIR_TYPES[dtype]}>" for shape, dtype in args]
-    params = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    body = [
-        f'    %p{i} = "stablehlo.collective_permute"(%a{i}) {{source_target_pairs = dense<[{listed}]> : '
-        f"tensor<{len(pairs)}x2xi64>, channel_handle = #stablehlo.channel_handle<handle = {i + 1}, type = 1>}} : "
-        f"({t}) -> {t}"
-        for i, t in enumerate(types)
-    ]
-    results = ", ".join(f"%p{i}" for i in range(len(types)))
+def _tensor_type(shape, dtype: str) -> str:
+    return f"tensor<{''.join(f'{d}x' for d in shape)}{_MLIR_TYPES[dtype]}>"
+
+
+def _collectives_module(name: str, inputs: list[str], outputs: list[str], body: list[str]) -> bytes:
+    """A StableHLO module of one function from `inputs` (%a0, ...) to `outputs` (%r0, ...) as a
+    serialized HLO module. Each collective has a channel (handle i + 1) between partitions: for
+    torch_xla's manual-sharding region, where every device runs the module on its own shard and
+    without a channel XLA would read the device ids as replicas."""
+    params = ", ".join(f"%a{i}: {t}" for i, t in enumerate(inputs))
+    results = ", ".join(f"%r{i}" for i in range(len(outputs)))
     text = "\n".join(
         [
-            "module @ring_permute {",
-            f"  func.func public @main({params}) -> ({', '.join(types)}) {{",
+            f"module @{name} {{",
+            f"  func.func public @main({params}) -> ({', '.join(outputs)}) {{",
             *body,
-            f"    return {results} : {', '.join(types)}",
+            f"    return {results} : {', '.join(outputs)}",
             "  }",
             "}",
         ]
     )
     return compat.hlo_module_from_stablehlo(text)
+
+
+def _channel(i: int) -> str:
+    return f"channel_handle = #stablehlo.channel_handle<handle = {i + 1}, type = 1>"
+
+
+def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[tuple[int, int], ...]) -> bytes:
+    """A module that sends each argument (shape, dtype name) from device `source` to device
+    `target` for each (source, target) of `pairs`: one XLA collective permute per argument, as
+    JAX's `ppermute` under `shard_map` lowers."""
+    listed = ", ".join(f"[{a}, {b}]" for a, b in pairs)
+    types = [_tensor_type(shape, dtype) for shape, dtype in args]
+    body = [
+        f'    %r{i} = "stablehlo.collective_permute"(%a{i}) {{source_target_pairs = dense<[{listed}]> : '
+        f"tensor<{len(pairs)}x2xi64>, {_channel(i)}}} : ({t}) -> {t}"
+        for i, t in enumerate(types)
+    ]
+    return _collectives_module("ring_permute", types, types, body)
 
 
 # Programs by number, for caches outside torch_splash_jax (torch_xla's in-graph functions, TorchTPU's one
