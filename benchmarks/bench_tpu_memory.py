@@ -55,9 +55,10 @@ def step_hlo(
     shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
     have enabled with as many devices): activations along the sequence, attention with the query
     sequence sharded in `layout`, by `context_parallel` ("all_gather" or "ring"). mask: "causal",
-    or "per-head" (`per_head_mask`, splash only). generated_input: the input activations made in
-    the step (random numbers the compiler counts as a temporary) instead of an argument, which
-    would be a host buffer of the whole sequence first."""
+    or "per-head" (`per_head_mask`, splash only). generated_input: the input activations computed
+    in the step from their positions (a temporary, each device computing its shard; XLA would
+    generate random numbers whole on every device) instead of an argument, which would be a host
+    buffer of the whole sequence first."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -69,8 +70,9 @@ def step_hlo(
     torch.manual_seed(0)
     w_qkv = torch.randn(dim, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16).to(device).requires_grad_()
     w_out = torch.randn(dim, dim, dtype=torch.bfloat16).to(device).requires_grad_()
-    if generated_input:
-        x = torch.randn(1, length, dim, dtype=torch.bfloat16, device=device)
+    if generated_input:  # a function of positions and a small parameter, which SPMD computes shard by shard
+        positions = torch.arange(length, device=device, dtype=torch.float32)[None, :, None]
+        x = torch.sin(positions * torch.randn(dim).to(device)[None, None, :]).to(torch.bfloat16)
     else:
         x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
     options = {}

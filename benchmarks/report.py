@@ -239,7 +239,8 @@ def _context_parallel(r: dict) -> str:
         f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
         f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}, {shape['layout']} layout; libtpu {r['libtpu']}. "
         "HBM per chip; the 1/N column is the one-chip figure (the compiler's, where it does not fit) divided "
-        "by the chips.",
+        "by the chips, or (~) the longest one-chip figure scaled linearly to L, where torch_splash refuses one "
+        "chip's block tables.",
         "",
         "| L | chips | 1/N of one chip | all_gather | ring | ring / (1/N) | ring permutes overlapping a kernel |",
         "|---|---|---|---|---|---|---|",
@@ -251,20 +252,32 @@ def _context_parallel(r: dict) -> str:
         for length in sorted({row["L"] for row in rows if row.get("slice") == slice_name and "L" in row}):
             ring = found.get((slice_name, "ring", length))
             gather = found.get((slice_name, "all_gather", length))
-            single = one_chip.get(length)
-            share = single["bytes"] / chips if single else None
+            share, approx = _one_chip_share(one_chip, length, chips)
             ratio = f"{ring['bytes'] / share:.2f}" if ring and share and "bytes" in ring else ""
             overlap = (
                 f"{ring['overlapping_a_kernel']} of {ring['ring_permutes']}" if ring and "ring_permutes" in ring else ""
             )
             lines.append(
-                f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{share / GiB:.2f} GiB' if share else ''} | "
+                f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{approx}{share / GiB:.2f} GiB' if share else ''} | "
                 f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} | {overlap} |"
             )
     errors = [row for row in rows if "error" in row]
     for row in errors:
         lines.append(f"\n{row['slice']}: the measuring process failed: {row['error']}")
     return "\n".join(lines)
+
+
+def _one_chip_share(one_chip: dict, length: int, chips: int) -> tuple[float | None, str]:
+    """(the one-chip figure at `length` over `chips`, ""); where one chip has no figure at that
+    length (torch_splash refuses its tables), the longest one it has scaled linearly, as splash's
+    memory grows ("~")."""
+    if length in one_chip:
+        return one_chip[length]["bytes"] / chips, ""
+    below = [n for n in one_chip if n < length]
+    if not below:
+        return None, ""
+    n = max(below)
+    return one_chip[n]["bytes"] * length / n / chips, "~"
 
 
 def _tokens(length: int) -> str:
