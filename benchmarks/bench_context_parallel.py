@@ -9,7 +9,8 @@ reference. The input activations are computed inside the step from their positio
 10M-token step needs no 40 GiB host buffer); the compiler counts them as temporaries instead of
 arguments.
 
-    ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4; longer rings; 10M over v5p:4x4x4
+    ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4; 10M over v5p:4x4x4
+    ./dev.sh bench-context-parallel --slices v5e:4x4   # one slice again, the others' rows kept
     ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies (the test suite runs this)
 
 Writes benchmarks/results/context_parallel.json (or context_parallel_quick.json); each slice's rows
@@ -44,8 +45,10 @@ def measure(slice_name: str, chips: int, steps: list[tuple[str, int]]) -> list[d
     args = [sys.executable, __file__, "--worker", slice_name, str(chips), *(f"{s}:{n}" for s, n in steps)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=4 * 3600, cwd=ROOT)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode and len(rows) < len(steps):  # a crash (the compiler's memory, say): say where
-        rows.append(dict(slice=slice_name, chips=chips, error=done.stderr.strip().splitlines()[-1][:300]))
+    if done.returncode and len(rows) < len(steps):  # the measuring process died: say at which step
+        last = (done.stderr.strip().splitlines() or [f"killed by signal {-done.returncode} (host memory?)"])[-1]
+        strategy, length = steps[len(rows)]
+        rows.append(dict(slice=slice_name, chips=chips, strategy=strategy, L=length, fits=False, error=last[:300]))
     return rows
 
 
@@ -107,16 +110,17 @@ def _worker(slice_name: str, chips: int, steps: list[str]) -> None:
             sys.stdout.flush()
 
 
-def run(quick: bool, saved=lambda results: None) -> dict:
-    """Every slice's rows; `saved` gets the results so far after each slice (a full run takes
-    hours: the 16- and 64-chip programs unroll one step per chip)."""
+def run(quick: bool, saved=lambda results: None, only: list[str] | None = None, keep: list | None = None) -> dict:
+    """Every slice's rows (or those of the slices named in `only`, added to the rows `keep` holds
+    for the others); `saved` gets the results so far after each slice (a full run takes hours: the
+    16- and 64-chip programs unroll one step per chip)."""
     if quick:
         plans = [("v5e:2x2", 4, [("all_gather", 32 * K), ("ring", 32 * K)])]
     else:
         lengths = [256 * K, 1 * M, 4 * M]
         both = [(strategy, n) for n in lengths for strategy in ("all_gather", "ring")]
         plans = [
-            ("v5e:4x4", 16, both + [("ring", 6 * M)]),
+            ("v5e:4x4", 16, both),
             ("v5p:4x4x4", 64, [("ring", 10 * M)]),
             ("v5e:2x2", 4, both),
             ("v5e", 1, [("one_chip", n) for n in lengths]),
@@ -126,9 +130,11 @@ def run(quick: bool, saved=lambda results: None) -> dict:
     results = dict(
         shape=dict(batch=1, heads=16, kv_heads=8, head_dim=128, dtype="bfloat16", mask="causal", layout="balanced"),
         libtpu=mosaic.PINNED_LIBTPU,
-        rows=[],
+        rows=[row for row in keep or [] if row["slice"] not in (only or [])],
     )
     for slice_name, chips, steps in plans:
+        if only and slice_name not in only:
+            continue
         rows = measure(slice_name, chips, steps)
         for row in rows:
             print(json.dumps(row), flush=True)
@@ -142,9 +148,12 @@ def main():
         return _worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (the test suite runs it)")
+    parser.add_argument("--slices", nargs="+", help="measure these slices again, keeping the others' rows")
     args = parser.parse_args()
     command = "./dev.sh bench-context-parallel"
-    run(args.quick, lambda results: report.save("context_parallel", results, args.quick, command))
+    kept = report.RESULTS / "context_parallel.json"
+    keep = json.loads(kept.read_text())["rows"] if args.slices and kept.exists() else None
+    run(args.quick, lambda results: report.save("context_parallel", results, args.quick, command), args.slices, keep)
 
 
 if __name__ == "__main__":
