@@ -352,10 +352,12 @@ SECTIONS = {
     ),
     "context_parallel": (
         "Context parallelism: all-gather vs ring, HBM per chip (TPU compiler)",
-        "The attention-block step with its sequence sharded over a v5e slice (and a v5p one), k and v gathered "
-        'whole on every chip (`context_parallel="all_gather"`) or passed around them (`"ring"`), compiled '
-        "by libtpu for that slice without a TPU; where the compiler refuses a step, the figure is the one it "
-        "reported. The input activations are generated in the step (temporaries, not arguments).",
+        "The attention-block step with its sequence sharded over a TPU slice, k and v gathered whole on every "
+        'chip (`context_parallel="all_gather"`) or passed around them (`"ring"`), compiled by libtpu for that '
+        "slice without a TPU; where the compiler refuses a step, the figure is the one it reported. The input "
+        "activations are computed in the step from their positions (temporaries, not arguments). The last "
+        "column is read from the compiled schedule: ring permutes with a Mosaic kernel between their start and "
+        "done.",
         _context_parallel,
     ),
     "fit": (
