@@ -6,8 +6,9 @@ the same way and, between steps, passed one device onwards along the sequence ax
 collective permute. Each step runs that step's program (torch_splash_jax.ring: the splash
 kernels with the step's block tables, merged by logsumexp) on whatever shard the device holds.
 In the backward, dq accumulates in place while dk and dv travel with the keys they belong to, and
-a last permute brings them home. No step depends on the permute that follows it, so XLA may run
-each permute while the step's kernels run. No device holds more than one shard of anything.
+a last permute brings them home. No step's kernels depend on the permute that follows them, yet in
+the programs libtpu compiles only the permutes of dk and dv run during kernels (docs/tpu.md). No
+device holds more than one shard of anything.
 """
 
 from __future__ import annotations
