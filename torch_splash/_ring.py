@@ -56,8 +56,8 @@ def _backward(program, named, tables, sharding, platform):
     for step in range(len(tables)):
         upcoming = _sent_on(held, previous, sharding, step + 1 < len(tables))
         arrays = program.arguments("backward", step, tables[step], **{**named, **held, **dq, **with_keys})
-        dq_acc, dk_acc, dv_acc = previous = _transport.run(program.backward[step], arrays, "graph", platform)
-        dq, held = dict(dq_acc=dq_acc), upcoming
+        dq_acc, dk_acc, dv_acc = _transport.run(program.backward[step], arrays, "graph", platform)
+        previous, dq, held = dict(dq=dq_acc, dk=dk_acc, dv=dv_acc), dict(dq_acc=dq_acc), upcoming
         # dk and dv go on to the device that holds their keys next (home, after the last step)
         with_keys = sharding.pass_on(dict(dk_acc=dk_acc, dv_acc=dv_acc))
     grads = [dq["dq_acc"], with_keys["dk_acc"], with_keys["dv_acc"]]
@@ -67,7 +67,7 @@ def _backward(program, named, tables, sharding, platform):
     return grads
 
 
-def _sent_on(held: dict, previous, sharding, more: bool) -> dict:
+def _sent_on(held: dict, previous: dict, sharding, more: bool) -> dict:
     """The keys (and their ids) the next step holds (when there is one: `more`), sent on from
     this device's. Neither they nor this step's kernels start before the previous step's results
     are done (an optimization barrier ties the held keys to them): otherwise XLA may start every
@@ -76,6 +76,5 @@ def _sent_on(held: dict, previous, sharding, more: bool) -> dict:
     if previous:
         import torch_xla.core.xla_model as xm
 
-        previous = previous.values() if isinstance(previous, dict) else previous
-        xm.optimization_barrier_([*held.values(), *previous])  # in place: later uses read its outputs
+        xm.optimization_barrier_([*held.values(), *previous.values()])  # in place: later uses read its outputs
     return sharding.pass_on(held) if more else {}

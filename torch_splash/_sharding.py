@@ -175,20 +175,15 @@ class Sharding:
         """Devices' outputs (by role) as global tensors, leaving the manual-sharding region."""
         return [self._global(o, r) for o, r in zip(outs, roles)]
 
-    def sequence_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The device ids along the sequence axis, in shard order, one group per combination of
-        the other axes' indices."""
+    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(source, target) device ids that pass a shard one place onwards along the sequence
+        axis, on every ring of the mesh (one per combination of the other axes' indices)."""
         names = list(self.mesh.axis_names) if self.mesh.axis_names else []
         seq = [names.index(a) if isinstance(a, str) else a for a in _axes(self.seq)]
         ids = np.asarray(self.mesh.device_ids).reshape(self.mesh.mesh_shape)
         others = [i for i in range(ids.ndim) if i not in seq]
-        groups = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
-        return tuple(tuple(int(i) for i in g) for g in groups)
-
-    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(source, target) device ids that pass a shard one place onwards along the sequence
-        axis, on every ring of the mesh."""
-        return tuple((r[i], r[(i + 1) % len(r)]) for r in self.sequence_groups() for i in range(len(r)))
+        rings = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
+        return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in rings for i in range(len(r)))
 
     def pass_on(self, tensors: dict) -> dict:
         """Inside the manual-sharding region: each device's tensors sent to the next device of its

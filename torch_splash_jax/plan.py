@@ -447,14 +447,7 @@ def plan(
     mask.check(num_q_heads * head_shards if per_head else num_q_heads, q_len, kv_len)
     check_sequence_layout(sequence_layout)
     if q_shards > 1 or sequence_layout == "balanced":
-        parts = q_shards * (2 if sequence_layout == "balanced" else 1)
-        if q_len % parts:
-            raise SplashConstraintError(
-                f"Lq={q_len} does not split into {q_shards} sequence shards"
-                f"{' of two mirrored chunks each' if sequence_layout == 'balanced' else ''}: Lq must be a multiple of "
-                f"{parts} (pad the sequence, e.g. to {_round_up(q_len, parts)}, or use another shard count)."
-            )
-        q_len //= q_shards
+        q_len = _shard_length("Lq", q_len, q_shards, sequence_layout, f"{q_shards} sequence shards")
     check_context_parallel(context_parallel)
     ring = context_parallel == "ring"
     if ring:
@@ -464,15 +457,8 @@ def plan(
                 "over 2 or more devices (name a mesh axis of size > 1 for dim 2 of partition_spec), or leave "
                 "context_parallel unset."
             )
-        parts = q_shards * (2 if sequence_layout == "balanced" else 1)
-        if kv_len % parts:
-            raise SplashConstraintError(
-                f"Lkv={kv_len} does not split into the ring's {q_shards} shards"
-                f"{' of two mirrored chunks each' if sequence_layout == 'balanced' else ''}: with "
-                f"context_parallel='ring' k and v are sharded like q, so Lkv must be a multiple of {parts} (pad the "
-                f"sequence, e.g. to {_round_up(kv_len, parts)}, or use another shard count)."
-            )
-        kv_len //= q_shards
+        why = "with context_parallel='ring' k and v are sharded like q, so "
+        kv_len = _shard_length("Lkv", kv_len, q_shards, sequence_layout, f"the ring's {q_shards} shards", why)
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
@@ -503,6 +489,20 @@ def plan(
         head_shards=head_shards if per_head else 1,
         context_parallel=context_parallel,
     )
+
+
+def _shard_length(name: str, length: int, shards: int, layout: str, shards_named: str, why: str = "") -> int:
+    """One shard's part of a sequence of `length` split over `shards` in `layout` (in two mirrored
+    chunks each when balanced); SplashConstraintError naming `name` when it does not split."""
+    balanced = layout == "balanced"
+    parts = shards * (2 if balanced else 1)
+    if length % parts:
+        raise SplashConstraintError(
+            f"{name}={length} does not split into {shards_named}{' of two mirrored chunks each' if balanced else ''}: "
+            f"{why}{name} must be a multiple of {parts} (pad the sequence, e.g. to {_round_up(length, parts)}, or use "
+            "another shard count)."
+        )
+    return length // shards
 
 
 def ring_steps(plan: Plan) -> list[Plan]:
