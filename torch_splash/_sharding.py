@@ -16,8 +16,9 @@ are partial sums that leave the manual region along an axis of their own and are
 it. The block tables and query positions of every shard are inputs sharded along the sequence
 axis (per-head block tables along the heads too), so that one program serves every device. The
 "balanced" layout gives each device two mirrored chunks of the sequence (shard s: chunks s and
-2S-1-s of 2S), so that causal work is even; it is applied to q and the q segment ids here and
-undone on the output. The kv sequence is never sharded on its own: a k or v the caller sharded
+2S-1-s of 2S), so that causal work is even; the devices exchange halves of their shards on
+entering the manual region and exchange them back on leaving it, so the caller's tensors stay in
+order. The kv sequence is never sharded on its own: a k or v the caller sharded
 along it, with the query sequence whole, is refused.
 """
 
@@ -118,34 +119,6 @@ class Sharding:
             "dkv": (self.seq, self.batch, self.heads, None, None),
         }[role]
 
-    def to_layout(self, call):
-        """The call with q and its segment ids (and for a ring k, v and theirs) in the sequence
-        layout the shards hold."""
-        if self.layout != "balanced":
-            return call
-        order = self._balanced_chunks()
-        ids = call.segment_ids
-        if ids:
-            ids = (_chunks_in_order(ids[0], 1, order), _chunks_in_order(ids[1], 1, order) if self.ring else ids[1])
-        call = dataclasses.replace(call, q=_chunks_in_order(call.q, 2, order), segment_ids=ids)
-        if self.ring:
-            call = dataclasses.replace(call, k=_chunks_in_order(call.k, 2, order), v=_chunks_in_order(call.v, 2, order))
-        return call
-
-    def from_layout(self, out: torch.Tensor) -> torch.Tensor:
-        """The output back in the caller's sequence order, sharded like q."""
-        if self.layout != "balanced":
-            return out
-        import torch_xla.distributed.spmd as xs
-
-        order = self._balanced_chunks()
-        out = _chunks_in_order(out, 2, sorted(range(len(order)), key=order.__getitem__))
-        xs.mark_sharding(out, self.mesh, self.spec("q"))
-        return out
-
-    def _balanced_chunks(self) -> list[int]:
-        return torch_splash_jax.balanced_chunk_order(self.q_shards)
-
     def run(self, fn, tensors, in_roles, out_roles, platform: str) -> list[torch.Tensor]:
         """fn on each device's shard of `tensors`, in torch_xla's lazy graph; outputs are global."""
         outs = _transport.run(fn, self.enter(tensors, in_roles), "graph", platform)
@@ -160,30 +133,70 @@ class Sharding:
         return table
 
     def enter(self, tensors, roles) -> list[torch.Tensor]:
-        """Each device's shard of `tensors` (by role), entering the manual-sharding region."""
+        """Each device's shard of `tensors` (by role), entering the manual-sharding region (in the
+        sequence layout: `_relaid`)."""
         import torch_xla.distributed.spmd as xs
 
         # Fresh tensors: annotating is in place, and the caller's tensors may be sharded otherwise
         # (XLA then reshards the copy, as shard_map reshards to its in_specs). Not clone(): the
         # clone of a materialised tensor keeps its sharding, and annotating it anew fails.
-        return [
+        local = [
             xs.enable_manual_sharding(t + 0, self.spec(r, t.dim()), mesh=self.mesh).global_tensor
             for t, r in zip(tensors, roles)
         ]
+        return self._relaid(local, roles, to_balanced=True)
 
     def leave(self, outs, roles) -> list[torch.Tensor]:
-        """Devices' outputs (by role) as global tensors, leaving the manual-sharding region."""
+        """Devices' outputs (by role) as global tensors, leaving the manual-sharding region (in the
+        caller's sequence order)."""
+        outs = self._relaid(list(outs), roles, to_balanced=False)
         return [self._global(o, r) for o, r in zip(outs, roles)]
 
-    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(source, target) device ids that pass a shard one place onwards along the sequence
-        axis, on every ring of the mesh (one per combination of the other axes' indices)."""
+    def _relaid(self, local: list[torch.Tensor], roles, to_balanced: bool) -> list[torch.Tensor]:
+        """In the balanced layout, the shards of sequence-sharded tensors exchanged between the
+        devices of the sequence axis, from the caller's order into the balanced one or back. The
+        caller's tensors stay in order: only the manual region sees the balanced layout. (Slicing
+        and concatenating the global tensors instead, XLA's SPMD partitioner moved 1/S of each
+        chunk at a time, and libtpu started all of those permutes at once: 0.9 GiB of them in
+        flight at 256K tokens over 16 chips.)"""
+        dims = {"q": 2, "lse": 2, "q_ids": 1} | ({"kv": 2, "kv_ids": 1} if self.ring else {})
+        chosen = [i for i, r in enumerate(roles) if r in dims]
+        if self.layout != "balanced" or not chosen:
+            return local
+        args = tuple((tuple(local[i].shape), str(local[i].dtype).removeprefix("torch.")) for i in chosen)
+        fn = _exchange_function(args, tuple(dims[roles[i]] for i in chosen), self._balancing_moves(to_balanced))
+        for i, t in zip(chosen, fn([local[i] for i in chosen])):
+            local[i] = t
+        return local
+
+    def _balancing_moves(self, to_balanced: bool) -> tuple:
+        """`transport.exchange_module`'s moves between the caller's order (device d holds chunks 2d
+        and 2d+1 of the sequence's 2S) and the balanced layout (`balanced_chunk_order`), on every
+        ring of the mesh."""
+        order = torch_splash_jax.balanced_chunk_order(self.q_shards)
+        in_order = {c: divmod(c, 2) for c in order}
+        balanced = {c: divmod(place, 2) for place, c in enumerate(order)}
+        before, after = (in_order, balanced) if to_balanced else (balanced, in_order)
+        moves: dict[tuple[int, int], list] = {}
+        for ring in self._rings():
+            for c in order:
+                (source, half), (target, to_half) = before[c], after[c]
+                moves.setdefault((half, to_half), []).append((int(ring[source]), int(ring[target])))
+        return tuple((half, to_half, tuple(pairs)) for (half, to_half), pairs in sorted(moves.items()))
+
+    def _rings(self) -> np.ndarray:
+        """(rings, S) device ids: the devices of the sequence axis in shard order, one row for each
+        combination of the other axes' indices."""
         names = list(self.mesh.axis_names) if self.mesh.axis_names else []
         seq = [names.index(a) if isinstance(a, str) else a for a in _axes(self.seq)]
         ids = np.asarray(self.mesh.device_ids).reshape(self.mesh.mesh_shape)
         others = [i for i in range(ids.ndim) if i not in seq]
-        rings = ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
-        return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in rings for i in range(len(r)))
+        return ids.transpose(others + seq).reshape(-1, self.q_shards)  # shard order: row-major over seq axes
+
+    def ring_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(source, target) device ids that pass a shard one place onwards along the sequence
+        axis, on every ring of the mesh."""
+        return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in self._rings() for i in range(len(r)))
 
     def pass_on(self, tensors: dict) -> dict:
         """Inside the manual-sharding region: each device's tensors sent to the next device of its
@@ -217,11 +230,9 @@ def _permute_function(args: tuple, pairs: tuple):
     return compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))
 
 
-def _chunks_in_order(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
-    """x's equal chunks along dim, concatenated in `order`: static slices, which XLA's SPMD
-    partitioner moves between devices with collective permutes (a gather would replicate)."""
-    chunks = x.chunk(len(order), dim)
-    return torch.cat([chunks[i] for i in order], dim)
+@functools.lru_cache(maxsize=policy.IN_GRAPH)
+def _exchange_function(args: tuple, dims: tuple, moves: tuple):
+    return compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves))
 
 
 def _joined(*entries):

@@ -159,8 +159,6 @@ def _attention(
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     transport_for_inputs = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
     plan = _plan(call, block_sizes, call.platform, sharding)
-    if sharding is not None:
-        call = sharding.to_layout(call)  # after planning, which checks that the layout divides Lq
     traced = torch._subclasses.fake_tensor.is_fake(call.q)  # torch.compile: the graph keeps the number
     plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
@@ -170,8 +168,6 @@ def _attention(
         )
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs)
-    if sharding is not None:
-        out = sharding.from_layout(out)
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
     return out.squeeze(0) if call.unbatched else out

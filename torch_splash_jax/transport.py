@@ -119,6 +119,57 @@ def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[t
     return _collectives_module("ring_permute", types, types, body)
 
 
+
+def exchange_module(
+    args: tuple[tuple[tuple[int, ...], str], ...],
+    dims: tuple[int, ...],
+    moves: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...],
+) -> bytes:
+    """A module that rebuilds each argument (shape, dtype name) from halves other devices send
+    (a sequence layout changed shard by shard): each is split into two halves along its dim in
+    `dims`, and for each (from_half, to_half, pairs) of `moves`, device `source` of each pair sends
+    its half `from_half` to be half `to_half` of device `target`. Every device receives each half
+    from exactly one move, and a collective permute gives zeros where a device is no target, so a
+    half is the sum of its moves' results: one permute per move and argument, whatever the mesh."""
+    body, results, handles = [], [], itertools.count()
+    for i, ((shape, dtype), dim) in enumerate(zip(args, dims)):
+        half = list(shape)
+        half[dim] //= 2
+        t, h = _tensor_type(shape, dtype), _tensor_type(half, dtype)
+        for j in (0, 1):
+            start = [0] * len(shape)
+            start[dim] = j * half[dim]
+            limit = [b + n for b, n in zip(start, half)]
+            body.append(
+                f'    %a{i}h{j} = "stablehlo.slice"(%a{i}) {{start_indices = array<i64: {_ints(start)}>, '
+                f"limit_indices = array<i64: {_ints(limit)}>, strides = array<i64: {_ints([1] * len(shape))}>}} "
+                f": ({t}) -> {h}"
+            )
+        parts = {0: [], 1: []}
+        for m, (source, target, pairs) in enumerate(moves):
+            listed = ", ".join(f"[{a}, {b}]" for a, b in pairs)
+            body.append(
+                f'    %a{i}m{m} = "stablehlo.collective_permute"(%a{i}h{source}) {{source_target_pairs = '
+                f"dense<[{listed}]> : tensor<{len(pairs)}x2xi64>, {_channel(next(handles))}}} : ({h}) -> {h}"
+            )
+            parts[target].append(f"%a{i}m{m}")
+        for k in (0, 1):
+            total = parts[k][0]
+            for n, other in enumerate(parts[k][1:]):
+                body.append(f'    %a{i}s{k}_{n} = "stablehlo.add"({total}, {other}) : ({h}, {h}) -> {h}')
+                total = f"%a{i}s{k}_{n}"
+            parts[k] = total
+        body.append(
+            f'    %r{i} = "stablehlo.concatenate"({parts[0]}, {parts[1]}) {{dimension = {dim} : i64}} '
+            f": ({h}, {h}) -> {t}"
+        )
+        results.append(t)
+    return _collectives_module("sequence_exchange", results, results, body)
+
+
+def _ints(values) -> str:
+    return ", ".join(str(v) for v in values)
+
 # Programs by number, for caches outside torch_splash_jax (torch_xla's in-graph functions, TorchTPU's one
 # `jax_op`, where the number is a static argument and part of TorchTPU's cache key): numbers are
 # never reused, so a cached number can never name another program, and programs are held weakly,
