@@ -119,7 +119,6 @@ def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[t
     return _collectives_module("ring_permute", types, types, body)
 
 
-
 def exchange_module(
     args: tuple[tuple[tuple[int, ...], str], ...],
     dims: tuple[int, ...],
@@ -169,6 +168,7 @@ def exchange_module(
 
 def _ints(values) -> str:
     return ", ".join(str(v) for v in values)
+
 
 # Programs by number, for caches outside torch_splash_jax (torch_xla's in-graph functions, TorchTPU's one
 # `jax_op`, where the number is a static argument and part of TorchTPU's cache key): numbers are
