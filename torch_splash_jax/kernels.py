@@ -76,7 +76,11 @@ class Program:
         # and no output block would ever be written): the answer is 0 with zero gradients.
         self.no_pairs = not (self._infos[1][0].block_mask.any() if self.sharded else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
-        self.rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows() or plan.ring
+        # A ring step's rows may see none of the keys it holds, but its backward is given the
+        # merged output and logsumexp: only rows that see no key in the whole call matter there
+        # (guarding the others cost a d_out-sized copy alive through the ring's backward).
+        self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
+        self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
         self._residual_tree = None
         self.forward = jax.jit(self._forward)
@@ -287,7 +291,7 @@ class Program:
         inputs = self._residual_sources(q, k, v, sinks, segment_ids) + self._kernel_for(tables)[1]
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
-        if self.rows_may_be_empty:
+        if self.call_rows_may_be_empty:
             # A row that saw no key has logsumexp -inf (its q block was skipped) or about the mask
             # value; the dq/dkv kernels recompute p = exp(logit - logsumexp) from it, which is inf
             # there, and inf * 0 is NaN whatever d_out is. With +inf, p is 0 on those rows.
@@ -299,10 +303,10 @@ class Program:
             for kind, value in self._sources
         ]
         d_out = self._pad(d_out, 2, p.q_len_padded)
-        if self.rows_may_be_empty:
+        if self.call_rows_may_be_empty:
             d_out = jnp.where(row_has_keys, d_out, 0).astype(d_out.dtype)
         dq, dk, dv, *d_sinks = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
-        if self.rows_may_be_empty:
+        if self.call_rows_may_be_empty:
             dq = jnp.where(row_has_keys, dq, 0).astype(dq.dtype)
         dq = dq[:, :, : p.q_len]
         dk = (dk[..., : p.kv_len, :].astype(jnp.float32) * p.scale).astype(dk.dtype)
