@@ -121,7 +121,7 @@ class Plan:
     blocks: tuple  # sorted (field, value) pairs for the JAX BlockSizes
     has_sinks: bool = False  # attention sinks: one learned logit per query head (gpt-oss)
     # Sequence sharding: q_len is one shard's rows of q_shards; "contiguous" shards hold
-    # consecutive rows, "balanced" ones two mirrored chunks each (shard s: chunks s and 2S-1-s).
+    # consecutive rows, "balanced" ones two mirrored chunks each (shard s: chunks s and 2S-1-s, the even one first).
     q_shards: int = 1
     sequence_layout: str = "contiguous"
     # Heads split over devices, counted only for per-head masks (num_q_heads is one device's
@@ -196,8 +196,11 @@ def check_sequence_layout(layout: str | None) -> None:
 
 def balanced_chunk_order(shards: int) -> list[int]:
     """The balanced sequence layout: the sequence's 2S chunks in the order the S shards hold them,
-    chunks s and 2S-1-s on shard s, so that every shard gets as much causal work."""
-    return [c for s in range(shards) for c in (s, 2 * shards - 1 - s)]
+    chunks s and 2S-1-s on shard s, so that every shard gets as much causal work. The even chunk
+    comes first, as it does in the contiguous layout (shard d: chunks 2d, 2d+1): so each half of a
+    shard moves between the layouts by one collective permute, the first halves and the second
+    halves each a permutation of the devices."""
+    return [c for s in range(shards) for c in sorted((s, 2 * shards - 1 - s), key=lambda c: c % 2)]
 
 
 def _round_up(x: int, m: int) -> int:

@@ -122,19 +122,20 @@ def permute_module(args: tuple[tuple[tuple[int, ...], str], ...], pairs: tuple[t
 def exchange_module(
     args: tuple[tuple[tuple[int, ...], str], ...],
     dims: tuple[int, ...],
-    moves: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...],
+    moves: tuple[tuple[int, tuple[tuple[int, int], ...]], ...],
 ) -> bytes:
     """A module that rebuilds each argument (shape, dtype name) from halves other devices send
     (a sequence layout changed shard by shard): each is split into two halves along its dim in
-    `dims`, and for each (from_half, to_half, pairs) of `moves`, device `source` of each pair sends
-    its half `from_half` to be half `to_half` of device `target`. Every device receives each half
-    from exactly one move, and a collective permute gives zeros where a device is no target, so a
-    half is the sum of its moves' results: one permute per move and argument, whatever the mesh."""
-    body, results, handles = [], [], itertools.count()
-    for i, ((shape, dtype), dim) in enumerate(zip(args, dims)):
+    `dims`, and for each (half, pairs) of `moves`, device `source` of each pair sends that half to
+    be the same half of device `target`. A collective permute gives zeros where a device is no
+    target, and each device receives each half from one move, so a half is the sum of its moves'
+    results: one permute per move and argument."""
+    body, handles = [], itertools.count()
+    types = [_tensor_type(shape, dtype) for shape, dtype in args]
+    for i, ((shape, dtype), dim, t) in enumerate(zip(args, dims, types)):
         half = list(shape)
         half[dim] //= 2
-        t, h = _tensor_type(shape, dtype), _tensor_type(half, dtype)
+        h = _tensor_type(half, dtype)
         for j in (0, 1):
             start = [0] * len(shape)
             start[dim] = j * half[dim]
@@ -144,26 +145,20 @@ def exchange_module(
                 f"limit_indices = array<i64: {_ints(limit)}>, strides = array<i64: {_ints([1] * len(shape))}>}} "
                 f": ({t}) -> {h}"
             )
-        parts = {0: [], 1: []}
-        for m, (source, target, pairs) in enumerate(moves):
+        sums = {}
+        for m, (j, pairs) in enumerate(moves):
             listed = ", ".join(f"[{a}, {b}]" for a, b in pairs)
             body.append(
-                f'    %a{i}m{m} = "stablehlo.collective_permute"(%a{i}h{source}) {{source_target_pairs = '
+                f'    %a{i}m{m} = "stablehlo.collective_permute"(%a{i}h{j}) {{source_target_pairs = '
                 f"dense<[{listed}]> : tensor<{len(pairs)}x2xi64>, {_channel(next(handles))}}} : ({h}) -> {h}"
             )
-            parts[target].append(f"%a{i}m{m}")
-        for k in (0, 1):
-            total = parts[k][0]
-            for n, other in enumerate(parts[k][1:]):
-                body.append(f'    %a{i}s{k}_{n} = "stablehlo.add"({total}, {other}) : ({h}, {h}) -> {h}')
-                total = f"%a{i}s{k}_{n}"
-            parts[k] = total
+            if j in sums:
+                body.append(f'    %a{i}s{m} = "stablehlo.add"({sums[j]}, %a{i}m{m}) : ({h}, {h}) -> {h}')
+            sums[j] = f"%a{i}s{m}" if j in sums else f"%a{i}m{m}"
         body.append(
-            f'    %r{i} = "stablehlo.concatenate"({parts[0]}, {parts[1]}) {{dimension = {dim} : i64}} '
-            f": ({h}, {h}) -> {t}"
+            f'    %r{i} = "stablehlo.concatenate"({sums[0]}, {sums[1]}) {{dimension = {dim} : i64}} : ({h}, {h}) -> {t}'
         )
-        results.append(t)
-    return _collectives_module("sequence_exchange", results, results, body)
+    return _collectives_module("sequence_exchange", types, types, body)
 
 
 def _ints(values) -> str:
