@@ -11,7 +11,7 @@ arguments.
 
     ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4; 10M over v5p:4x4x4
     ./dev.sh bench-context-parallel --slices v5e:4x4   # one slice again, the others' rows kept
-    ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies (the test suite runs this)
+    ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies; the ring at 128K over v5e:4x4 (the tests run this)
 
 Writes benchmarks/results/context_parallel.json (or context_parallel_quick.json); each slice's rows
 are printed as they are measured.
@@ -114,8 +114,8 @@ def run(quick: bool, saved=lambda results: None, only: list[str] | None = None, 
     """Every slice's rows (or those of the slices named in `only`, added to the rows `keep` holds
     for the others); `saved` gets the results so far after each slice (a full run takes hours: the
     16- and 64-chip programs unroll one step per chip)."""
-    if quick:
-        plans = [("v5e:2x2", 4, [("all_gather", 32 * K), ("ring", 32 * K)])]
+    if quick:  # and the ring over 16 chips at the same shard (8K tokens per chip)
+        plans = [("v5e:2x2", 4, [("all_gather", 32 * K), ("ring", 32 * K)]), ("v5e:4x4", 16, [("ring", 128 * K)])]
     else:
         lengths = [256 * K, 1 * M, 4 * M]
         both = [(strategy, n) for n in lengths for strategy in ("all_gather", "ring")]

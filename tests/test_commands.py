@@ -81,10 +81,15 @@ def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
 def test_the_ring_compiles_for_tpu_beside_the_all_gather():
     """From bench-context-parallel --quick: the TPU compiler compiles the ring's training step (every
     step's Mosaic kernels, the collective permutes between them) for v5e:2x2, as it does the
-    all-gather's."""
+    all-gather's, and for v5e:4x4."""
     path = RESULTS / "context_parallel_quick.json"
     if not path.exists():
         dev("bench-context-parallel", "--quick")
-    rows = {r["strategy"]: r for r in json.loads(path.read_text())["rows"]}
-    assert rows["ring"]["fits"] and rows["all_gather"]["fits"], rows
-    assert rows["ring"]["bytes"] < 2 * rows["all_gather"]["bytes"], rows
+    rows = {(r["strategy"], r["chips"]): r for r in json.loads(path.read_text())["rows"]}
+    ring, all_gather, ring16 = rows[("ring", 4)], rows[("all_gather", 4)], rows[("ring", 16)]
+    assert ring["fits"] and all_gather["fits"] and ring16["fits"], rows
+    assert ring["bytes"] < 2 * all_gather["bytes"], rows
+    # HBM per chip at a fixed shard (8K tokens) does not grow with the ring: 16 chips within 1.25x
+    # of 4 (the step tables grow with the chips; measured 0.42 and 0.39 GiB). Reordering the global
+    # tensors for the balanced layout instead took 0.93 GiB over 16 chips.
+    assert ring16["bytes"] < 1.25 * ring["bytes"], rows

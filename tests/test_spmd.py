@@ -110,3 +110,44 @@ def test_sharding_errors_before_any_device_work(spec, match):
     q = torch.zeros(2, 4, 16, 32)
     with pytest.raises(torch_splash.SplashConstraintError, match=match):
         torch_splash.attention(q, q, q, partition_spec=spec)
+
+
+
+@pytest.mark.parametrize(
+    "names,mesh_shape,seq",
+    [(("seq",), (4,), "seq"), (("data", "seq"), (2, 8), "seq"), (("data", "seq", "model"), (2, 2, 4), ("seq", "model"))],
+)
+def test_balanced_layout_moves_each_half_once_and_back(names, mesh_shape, seq):
+    """The exchange between the caller's order and the balanced layout, on every ring of the mesh:
+    each move is a partial permutation of the devices and no cycle, every half of every device
+    arrives once, the chunks land where balanced_chunk_order puts them, and the way back brings
+    each home."""
+    import numpy as np
+
+    import torch_splash_jax
+    from torch_splash import _sharding
+
+    mesh = type("Mesh", (), dict(axis_names=names, mesh_shape=mesh_shape, device_ids=np.arange(np.prod(mesh_shape))))
+    sharding = _sharding.Sharding(mesh, None, None, seq, "balanced", "ring")
+    shards, rings = sharding.q_shards, sharding._rings()
+    order = torch_splash_jax.balanced_chunk_order(shards)
+    in_order = {(int(ring[c // 2]), c % 2): (r, c) for r, ring in enumerate(rings) for c in range(2 * shards)}
+    balanced = {(int(ring[p // 2]), p % 2): (r, c) for r, ring in enumerate(rings) for p, c in enumerate(order)}
+
+    def moved(start: dict, to_balanced: bool) -> dict:
+        arrived = {}
+        for half, pairs in sharding._balancing_moves(to_balanced):
+            targets = dict(pairs)
+            assert len(targets) == len(set(targets.values())) == len(pairs)
+            for source in targets:
+                device = targets[source]
+                while device in targets and device != source:
+                    device = targets[device]
+                assert device != source or targets[source] == source  # no cycle (a device may keep its half)
+            for source, target in pairs:
+                assert (target, half) not in arrived
+                arrived[(target, half)] = start[(source, half)]
+        return arrived
+
+    assert moved(in_order, True) == balanced
+    assert moved(balanced, False) == in_order
