@@ -9,9 +9,11 @@ reference. The input activations are computed inside the step from their positio
 10M-token step needs no 40 GiB host buffer); the compiler counts them as temporaries instead of
 arguments.
 
-    ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4; 10M over v5p:4x4x4
+    ./dev.sh bench-context-parallel            # 256K, 1M, 4M over v5e:2x2 and v5e:4x4 (and the longest
+                                               # ring there); 10M over v5p:4x4x4
     ./dev.sh bench-context-parallel --slices v5e:4x4   # one slice again, the others' rows kept
-    ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies; the ring at 128K over v5e:4x4 (the tests run this)
+    ./dev.sh bench-context-parallel --quick    # 32K over v5e:2x2, both strategies, and the ring at
+                                               # 128K over v5e:4x4 (the test suite runs this)
 
 Writes benchmarks/results/context_parallel.json (or context_parallel_quick.json); each slice's rows
 are printed as they are measured.
@@ -50,6 +52,23 @@ def measure(slice_name: str, chips: int, steps: list[tuple[str, int]]) -> list[d
         strategy, length = steps[len(rows)]
         rows.append(dict(slice=slice_name, chips=chips, strategy=strategy, L=length, fits=False, error=last[:300]))
     return rows
+
+
+def longer_rings(slice_name: str, chips: int, start: int, coarse: int = M, fine: int = 256 * K) -> list[dict]:
+    """Ring rows at lengths past `start` (whose ring fits): up in `coarse` steps until one does not
+    fit, then up in `fine` steps from the last that did, until one does not fit again. The longest
+    ring that fits is the longest of these rows that does (or `start`)."""
+    rows, length, step = [], start, coarse
+    while True:
+        row = measure(slice_name, chips, [("ring", length + step)])[0]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if row["fits"]:
+            length += step
+        elif step == fine:
+            return rows
+        else:
+            step = fine
 
 
 def ring_overlap(scheduled: str, chips: int) -> dict:
@@ -138,6 +157,11 @@ def run(quick: bool, saved=lambda results: None, only: list[str] | None = None, 
         rows = measure(slice_name, chips, steps)
         for row in rows:
             print(json.dumps(row), flush=True)
+        if slice_name == "v5e:4x4" and not quick:  # and the longest ring that fits there
+            rings = [row["L"] for row in rows if row["strategy"] == "ring" and row["fits"]]
+            rows += longer_rings(slice_name, chips, max(rings)) if rings else []
+            fitting = [row for row in rows if row["strategy"] == "ring" and row["fits"]]
+            results["longest_ring"] = max(fitting, key=lambda row: row["L"]) if fitting else None
         results["rows"] += rows
         saved(results)
     return results

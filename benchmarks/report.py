@@ -156,7 +156,7 @@ def _transports(r: dict) -> str:
 
 def _gib(row: dict) -> str:
     if "refused" in row:
-        return "refused by torch_splash"
+        return "refused by torch_splash" + (" (block tables past SMEM)" if "SMEM" in row["refused"] else "")
     if "compiler_error" in row:
         return "refused by the TPU compiler"
     figure = f"{row['bytes'] / GiB:.2f} GiB"
@@ -261,6 +261,15 @@ def _context_parallel(r: dict) -> str:
                 f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{approx}{share / GiB:.2f} GiB' if share else ''} | "
                 f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} | {overlap} |"
             )
+    longest = r.get("longest_ring")
+    if longest:
+        beyond = [row for row in rows if row.get("slice") == longest["slice"] and row.get("L", 0) > longest["L"]]
+        refused = min(beyond, key=lambda row: row["L"]) if beyond else None
+        lines.append(
+            f"\nThe longest ring that fits on {longest['slice']} (searched up from 4M in 1M, then 256K steps): "
+            f"{_tokens(longest['L'])}, {_gib(longest)} per chip"
+            + (f"; {_tokens(refused['L'])}: {_gib(refused)}." if refused else ".")
+        )
     errors = [row for row in rows if "error" in row]
     for row in errors:
         lines.append(f"\n{row['slice']}: the measuring process failed: {row['error']}")
@@ -281,7 +290,7 @@ def _one_chip_share(one_chip: dict, length: int, chips: int) -> tuple[float | No
 
 
 def _tokens(length: int) -> str:
-    return f"{length // 2**20}M" if length % 2**20 == 0 else f"{length // 1024}K"
+    return f"{length / 2**20:g}M" if length % 2**18 == 0 and length >= 2**20 else f"{length // 1024}K"
 
 
 def _fit(r: dict) -> str:

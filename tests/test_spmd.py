@@ -112,10 +112,13 @@ def test_sharding_errors_before_any_device_work(spec, match):
         torch_splash.attention(q, q, q, partition_spec=spec)
 
 
-
 @pytest.mark.parametrize(
     "names,mesh_shape,seq",
-    [(("seq",), (4,), "seq"), (("data", "seq"), (2, 8), "seq"), (("data", "seq", "model"), (2, 2, 4), ("seq", "model"))],
+    [
+        (("seq",), (4,), "seq"),
+        (("data", "seq"), (2, 8), "seq"),
+        (("data", "seq", "model"), (2, 2, 4), ("seq", "model")),
+    ],
 )
 def test_balanced_layout_moves_each_half_once_and_back(names, mesh_shape, seq):
     """The exchange between the caller's order and the balanced layout, on every ring of the mesh:
