@@ -238,7 +238,7 @@ def _context_parallel(r: dict) -> str:
     lines = [
         f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
         f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}, {shape['layout']} layout; libtpu {r['libtpu']}. "
-        "HBM per chip; the 1/N column is the one-chip figure (the compiler's, where it does not fit) divided "
+        "HBM per chip; the 1/N column is one v5e chip's figure (the compiler's, where it does not fit) divided "
         "by the chips, or (~) the longest one-chip figure scaled linearly to L, where torch_splash refuses one "
         "chip's block tables.",
         "",
