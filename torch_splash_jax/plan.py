@@ -197,9 +197,8 @@ def check_sequence_layout(layout: str | None) -> None:
 def balanced_chunk_order(shards: int) -> list[int]:
     """The balanced sequence layout: the sequence's 2S chunks in the order the S shards hold them,
     chunks s and 2S-1-s on shard s, so that every shard gets as much causal work. The even chunk
-    comes first, as it does in the contiguous layout (shard d: chunks 2d, 2d+1): so each half of a
-    shard moves between the layouts by one collective permute, the first halves and the second
-    halves each a permutation of the devices."""
+    comes first, as in the contiguous layout (shard d: chunks 2d, 2d+1), so that every chunk is in
+    the same half of its shard in both layouts and the devices convert between them half by half."""
     return [c for s in range(shards) for c in sorted((s, 2 * shards - 1 - s), key=lambda c: c % 2)]
 
 
