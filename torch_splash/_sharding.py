@@ -159,13 +159,20 @@ class Sharding:
         and concatenating the global tensors instead, XLA's SPMD partitioner moved 1/S of each
         chunk at a time, and libtpu started all of those permutes at once: 0.9 GiB of them in
         flight at 256K tokens over 16 chips.)"""
-        dims = {"q": 2, "lse": 2, "q_ids": 1} | ({"kv": 2, "kv_ids": 1} if self.ring else {})
-        chosen = [i for i, r in enumerate(roles) if r in dims]
-        if self.layout != "balanced" or not chosen:
+        if self.layout != "balanced":
             return local
-        args = tuple((tuple(local[i].shape), str(local[i].dtype).removeprefix("torch.")) for i in chosen)
-        fn = _exchange_function(args, tuple(dims[roles[i]] for i in chosen), self._balancing_moves(to_balanced))
-        for i, t in zip(chosen, fn([local[i] for i in chosen])):
+        # the sequence's dim in each tensor whose rows are sequence rows, as `spec` shards it (kv
+        # and kv_ids only in a ring); tables hold one slice per device and stay as they are
+        dims = {
+            i: self.spec(r).index(self.seq)
+            for i, r in enumerate(roles)
+            if r in ("q", "lse", "q_ids", "kv", "kv_ids") and self.seq in self.spec(r)
+        }
+        if not dims:
+            return local
+        args = tuple((tuple(local[i].shape), str(local[i].dtype).removeprefix("torch.")) for i in dims)
+        fn = _exchange_function(args, tuple(dims.values()), self._balancing_moves(to_balanced))
+        for i, t in zip(dims, fn([local[i] for i in dims])):
             local[i] = t
         return local
 
