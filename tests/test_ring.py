@@ -56,6 +56,7 @@ def ring_device_by_device(plan, q, k, v, d_out, ids=None, sink=None) -> list[np.
     rows = plan.shard_positions()[:, : plan.q_len]
     keys = ring.steps[0].plan.ring_kv_positions()[:, : plan.kv_len]  # device d's own keys at step 0
     assert sorted(keys.reshape(-1).tolist()) == list(range(keys.size))  # every key on one device
+    k = ring.scaled_keys(k)  # the keys travel scaled (each device scales its own shard once)
 
     def inputs(s, d):
         held = keys[(d - s) % shards]

@@ -30,6 +30,7 @@ def run(program, sharding, kind: str, named: dict, tables: list[list[torch.Tenso
     given = iter(local[len(present) :])
     mine_tables = [[next(given) for _ in ts] for ts in tables]
     platform = program.plan.platform
+    (mine["k"],) = _transport.run(program.scaled_keys, [mine["k"]], "graph", platform)
     if kind == "backward":
         return sharding.leave(_backward(program, mine, mine_tables, sharding, platform), ("q", "kv", "kv", "d_sinks"))
     out, lse = _forward(program, mine, mine_tables, sharding, platform)

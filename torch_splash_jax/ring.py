@@ -19,6 +19,11 @@ backward[s](step inputs, out, lse, d_out[, dq_acc, dk_acc, dv_acc]) -> (dq_acc, 
 sinks_grad(out, lse, d_out, sinks) -> d_sinks
     this device's share of the sinks' gradient (the caller sums the devices').
 
+scaled_keys(k) -> k times the softmax scale
+    what k travels as: the steps' kernels take their keys scaled (they apply no softmax scale),
+    and scaling them once, not at every step, keeps a scaled copy of the held keys out of every
+    step (the last step's dk is scaled back).
+
 Sinks enter only in `finish` and `sinks_grad`: a sink is one logit per row, not a key of any shard.
 """
 
@@ -50,8 +55,10 @@ class RingProgram:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        # The steps' kernels never see the sinks, which `finish` and `sinks_grad` apply.
-        self.steps = [Program(p) for p in ring_steps(_without_sinks(plan))]
+        # The steps' kernels never see the sinks, which `finish` and `sinks_grad` apply, nor the
+        # softmax scale, which `scaled_keys` applies once.
+        self.steps = [Program(p) for p in ring_steps(dataclasses.replace(plan, has_sinks=False, scale=1.0))]
+        self.scaled_keys = jax.jit(self._scaled_keys)
         self.forward = [jax.jit(functools.partial(self._forward, s)) for s in range(len(self.steps))]
         self.backward = [jax.jit(functools.partial(self._backward, s)) for s in range(len(self.steps))]
         self.finish = jax.jit(self._finish)
@@ -137,8 +144,12 @@ class RingProgram:
             for a, g, d in zip(accumulated, grads, dtypes)
         )
         if step == len(self.steps) - 1:
-            grads = tuple(g.astype(x.dtype) for g, x in zip(grads, primals))
+            dq, dk, dv = (g.astype(jnp.float32) for g in grads)
+            grads = tuple(g.astype(x.dtype) for g, x in zip((dq, dk * self.plan.scale, dv), primals))
         return grads
+
+    def _scaled_keys(self, k):
+        return (k.astype(jnp.float32) * self.plan.scale).astype(k.dtype)
 
     def _sinks_grad(self, out, lse, d_out, sinks):
         # d out / d sink = -p_sink * out per row, with p_sink = exp(sink - lse)
@@ -164,7 +175,3 @@ def _merge(out, lse, step_out, step_lse):
     total = weight + step_weight
     merged = (out * weight[..., None] + step_out * step_weight[..., None]) / jnp.where(total > 0, total, 1)[..., None]
     return merged, top + jnp.log(total)
-
-
-def _without_sinks(plan: Plan) -> Plan:
-    return dataclasses.replace(plan, has_sinks=False)
