@@ -6,9 +6,10 @@ the same way and, between steps, passed one device onwards along the sequence ax
 collective permute. Each step runs that step's program (torch_splash_jax.ring: the splash
 kernels with the step's block tables, merged by logsumexp) on whatever shard the device holds.
 In the backward, dq accumulates in place while dk and dv travel with the keys they belong to, and
-a last permute brings them home. No step's kernels depend on the permute that follows them, yet in
-the programs libtpu compiles only the permutes of dk and dv run during kernels (docs/tpu.md). No
-device holds more than one shard of anything.
+a last permute brings them home. The keys travel scaled by the softmax scale (the kernels take
+them so) and move on once a step's kernels are done; dk and dv move during the next step's
+kernels (docs/tpu.md: what libtpu's schedule overlaps). No device holds more than one shard of
+anything, and none holds the next shard of keys before it needs it.
 """
 
 from __future__ import annotations
@@ -41,26 +42,29 @@ def _forward(program, named, tables, sharding, platform):
     held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
     accumulated = {}
     for step in range(len(tables)):
-        upcoming = _sent_on(held, accumulated, sharding, step + 1 < len(tables))
         arrays = program.arguments("forward", step, tables[step], **{**named, **held, **accumulated})
         accumulated = dict(
             zip(("out_acc", "lse_acc"), _transport.run(program.forward[step], arrays, "graph", platform))
         )
-        held = upcoming
+        if step + 1 < len(tables):
+            held = _sent_on(held, accumulated, sharding)
     finish = program.arguments("finish", **accumulated, sinks=named.get("sinks"))
     return _transport.run(program.finish, finish, "graph", platform)
 
 
 def _backward(program, named, tables, sharding, platform):
     held = {name: named[name] for name in ("k", "v", "kv_ids") if name in named}
-    dq, with_keys, previous = {}, {}, {}
+    dq, with_keys = {}, {}
     for step in range(len(tables)):
-        upcoming = _sent_on(held, previous, sharding, step + 1 < len(tables))
         arrays = program.arguments("backward", step, tables[step], **{**named, **held, **dq, **with_keys})
-        dq_acc, dk_acc, dv_acc = _transport.run(program.backward[step], arrays, "graph", platform)
-        previous, dq, held = dict(dq=dq_acc, dk=dk_acc, dv=dv_acc), dict(dq_acc=dq_acc), upcoming
+        results = dict(
+            zip(("dq_acc", "dk_acc", "dv_acc"), _transport.run(program.backward[step], arrays, "graph", platform))
+        )
+        if step + 1 < len(tables):
+            held = _sent_on(held, results, sharding)
+        dq = dict(dq_acc=results["dq_acc"])
         # dk and dv go on to the device that holds their keys next (home, after the last step)
-        with_keys = sharding.pass_on(dict(dk_acc=dk_acc, dv_acc=dv_acc))
+        with_keys = sharding.pass_on(dict(dk_acc=results["dk_acc"], dv_acc=results["dv_acc"]))
     grads = [dq["dq_acc"], with_keys["dk_acc"], with_keys["dv_acc"]]
     if "sinks" in named:
         sinks = program.arguments("sinks_grad", **named)
@@ -68,14 +72,14 @@ def _backward(program, named, tables, sharding, platform):
     return grads
 
 
-def _sent_on(held: dict, previous: dict, sharding, more: bool) -> dict:
-    """The keys (and their ids) the next step holds (when there is one: `more`), sent on from
-    this device's. Neither they nor this step's kernels start before the previous step's results
-    are done (an optimization barrier ties the held keys to them): otherwise XLA may start every
-    step's permute at once, a device then holding every shard of k and v, or run the kernels ahead
-    of the sums that wait for dk and dv, each step's gradients kept alive until then."""
-    if previous:
-        import torch_xla.core.xla_model as xm
+def _sent_on(held: dict, results: dict, sharding) -> dict:
+    """The keys (and their ids) the next step holds, sent on from this device's once this step's
+    `results` are done (an optimization barrier ties the held keys to them, in place).
+    Otherwise XLA starts the sends early: every step's at once (a device then holding every
+    shard of k and v), or the backward's first in the forward (whose sends compute the same),
+    and each next shard is alive a step before it is used. In the programs libtpu compiles a
+    send of keys overlaps no kernel either way (docs/tpu.md), so nothing is lost by waiting."""
+    import torch_xla.core.xla_model as xm
 
-        xm.optimization_barrier_([*held.values(), *previous.values()])  # in place: later uses read its outputs
-    return sharding.pass_on(held) if more else {}
+    xm.optimization_barrier_([*held.values(), *results.values()])
+    return sharding.pass_on(held)
