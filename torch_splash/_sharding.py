@@ -158,7 +158,10 @@ class Sharding:
         caller's tensors stay in order: only the manual region sees the balanced layout. (Slicing
         and concatenating the global tensors instead, XLA's SPMD partitioner moved 1/S of each
         chunk at a time, and libtpu started all of those permutes at once: 0.9 GiB of them in
-        flight at 256K tokens over 16 chips.)"""
+        flight at 256K tokens over 16 chips.) Tensors entering move one after another: in the
+        ring's backward, q, out and d_out moving at once were the step's peak (the TPU compiler,
+        bench_context_parallel.py at 1M tokens over v5e:4x4: 2.94 GiB per chip, 2.82 in turn);
+        tensors leaving move as each is ready."""
         if self.layout != "balanced":
             return local
         # the sequence's dim in each tensor whose rows are sequence rows, as `spec` shards it (kv
@@ -171,7 +174,7 @@ class Sharding:
         if not dims:
             return local
         args = tuple((tuple(local[i].shape), str(local[i].dtype).removeprefix("torch.")) for i in dims)
-        fn = _exchange_function(args, tuple(dims.values()), self._balancing_moves(to_balanced))
+        fn = _exchange_function(args, tuple(dims.values()), self._balancing_moves(to_balanced), to_balanced)
         for i, t in zip(dims, fn([local[i] for i in dims])):
             local[i] = t
         return local
@@ -240,8 +243,8 @@ def _permute_function(args: tuple, pairs: tuple):
 
 
 @functools.lru_cache(maxsize=policy.IN_GRAPH)
-def _exchange_function(args: tuple, dims: tuple, moves: tuple):
-    return compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves))
+def _exchange_function(args: tuple, dims: tuple, moves: tuple, in_turn: bool):
+    return compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves, in_turn))
 
 
 def _joined(*entries):

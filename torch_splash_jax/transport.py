@@ -81,13 +81,14 @@ def _tensor_type(shape, dtype: str) -> str:
     return f"tensor<{''.join(f'{d}x' for d in shape)}{_MLIR_TYPES[dtype]}>"
 
 
-def _collectives_module(name: str, inputs: list[str], outputs: list[str], body: list[str]) -> bytes:
-    """A StableHLO module of one function from `inputs` (%a0, ...) to `outputs` (%r0, ...) as a
-    serialized HLO module. Each collective has a channel (handle i + 1) between partitions: for
-    torch_xla's manual-sharding region, where every device runs the module on its own shard and
-    without a channel XLA would read the device ids as replicas."""
+def _collectives_module(name: str, inputs: list[str], outputs: list[str], body: list[str], results=()) -> bytes:
+    """A StableHLO module of one function from `inputs` (%a0, ...) to `outputs` (the values
+    `results` names, by default %r0, ...) as a serialized HLO module. Each collective has a
+    channel (handle i + 1) between partitions: for torch_xla's manual-sharding region, where every
+    device runs the module on its own shard and without a channel XLA would read the device ids
+    as replicas."""
     params = ", ".join(f"%a{i}: {t}" for i, t in enumerate(inputs))
-    results = ", ".join(f"%r{i}" for i in range(len(outputs)))
+    results = ", ".join(results or (f"%r{i}" for i in range(len(outputs))))
     text = "\n".join(
         [
             f"module @{name} {{",
@@ -123,16 +124,25 @@ def exchange_module(
     args: tuple[tuple[tuple[int, ...], str], ...],
     dims: tuple[int, ...],
     moves: tuple[tuple[int, tuple[tuple[int, int], ...]], ...],
+    in_turn: bool = False,
 ) -> bytes:
     """A module that rebuilds each argument (shape, dtype name) from halves other devices send
     (a sequence layout changed shard by shard): each is split into two halves along its dim in
     `dims`, and for each (half, pairs) of `moves`, device `source` of each pair sends that half to
     be the same half of device `target`. A collective permute gives zeros where a device is no
     target, and each device receives each half from one move, so a half is the sum of its moves'
-    results: one permute per move and argument."""
+    results: one permute per move and argument. in_turn: the arguments move one after another (an
+    optimization barrier ties each to the one before it), for tensors that all exist before the
+    exchange, which all at once would each be alive twice, as sent and as received."""
     body, handles = [], itertools.count()
     types = [_tensor_type(shape, dtype) for shape, dtype in args]
+    results = []
     for i, ((shape, dtype), dim, t) in enumerate(zip(args, dims, types)):
+        source = f"%a{i}"
+        if i and in_turn:
+            pair = f"{types[i - 1]}, {t}"
+            body.append(f'    %o{i}:2 = "stablehlo.optimization_barrier"({results[-1]}, %a{i}) : ({pair}) -> ({pair})')
+            results[-1], source = f"%o{i}#0", f"%o{i}#1"
         half = list(shape)
         half[dim] //= 2
         h = _tensor_type(half, dtype)
@@ -141,7 +151,7 @@ def exchange_module(
             start[dim] = j * half[dim]
             limit = [b + n for b, n in zip(start, half)]
             body.append(
-                f'    %a{i}h{j} = "stablehlo.slice"(%a{i}) {{start_indices = array<i64: {_ints(start)}>, '
+                f'    %a{i}h{j} = "stablehlo.slice"({source}) {{start_indices = array<i64: {_ints(start)}>, '
                 f"limit_indices = array<i64: {_ints(limit)}>, strides = array<i64: {_ints([1] * len(shape))}>}} "
                 f": ({t}) -> {h}"
             )
@@ -158,7 +168,8 @@ def exchange_module(
         body.append(
             f'    %r{i} = "stablehlo.concatenate"({sums[0]}, {sums[1]}) {{dimension = {dim} : i64}} : ({h}, {h}) -> {t}'
         )
-    return _collectives_module("sequence_exchange", types, types, body)
+        results.append(f"%r{i}")
+    return _collectives_module("sequence_exchange", types, types, body, results)
 
 
 def _ints(values) -> str:
