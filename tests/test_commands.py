@@ -88,8 +88,16 @@ def test_the_ring_compiles_for_tpu_beside_the_all_gather():
     rows = {(r["strategy"], r["chips"]): r for r in json.loads(path.read_text())["rows"]}
     ring, all_gather, ring16 = rows[("ring", 4)], rows[("all_gather", 4)], rows[("ring", 16)]
     assert ring["fits"] and all_gather["fits"] and ring16["fits"], rows
-    assert ring["bytes"] < 2 * all_gather["bytes"], rows
-    # HBM per chip at a fixed shard (8K tokens) does not grow with the ring: 16 chips within 1.25x
-    # of 4 (the step tables grow with the chips; measured 0.42 and 0.39 GiB). Reordering the global
-    # tensors for the balanced layout instead took 0.93 GiB over 16 chips.
-    assert ring16["bytes"] < 1.25 * ring["bytes"], rows
+    # Over 4 chips the gathered k and v are only four shards, yet the ring holds less (measured
+    # 0.32 against 0.41 GiB). With each step's keys sent on before that step's kernels (not after)
+    # the ring needed 0.39.
+    assert ring["bytes"] < 0.85 * all_gather["bytes"], rows
+    # Every ring permute is its own: the forward's and the backward's sends of k and v (2 per step
+    # but the last), dk and dv (2 per step, the last send home). When the backward's first sends
+    # computed the same as the forward's, XLA merged them and kept that shard alive in between.
+    for row in (ring, ring16):
+        assert row["ring_permutes"] == 6 * row["chips"] - 4, row
+    # HBM per chip at a fixed shard (8K tokens) does not grow much with the ring: 16 chips within
+    # 1.4x of 4 (the step tables grow with the chips; measured 0.39 and 0.32 GiB). Reordering the
+    # global tensors for the balanced layout instead took 0.93 GiB over 16 chips.
+    assert ring16["bytes"] < 1.4 * ring["bytes"], rows

@@ -42,8 +42,8 @@ from .plan import Plan, ring_steps
 def _accumulator_dtype(name: str, dtype):
     """dq sums over the steps in float32 on its own device; dk and dv travel around the ring in
     the inputs' dtype (as the all-gather strategy's partial dk, dv are summed). Measured with the
-    TPU compiler (the bf16 step of bench_context_parallel.py at 1M tokens over v5e:4x4): 3.13 GiB
-    per chip this way, 3.87 with float32 dk and dv, 2.88 with bfloat16 dq too. Against a float64
+    TPU compiler (the bf16 step of bench_context_parallel.py at 1M tokens over v5e:4x4): 2.82 GiB
+    per chip this way, 3.63 with float32 dk and dv, 2.88 with bfloat16 dq too. Against a float64
     reference (tests/test_ring.py, bf16, 8 devices) dq stays as close as one device's, dk and dv
     are about twice as far."""
     return jnp.float32 if name == "dq_acc" else dtype
