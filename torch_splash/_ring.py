@@ -78,7 +78,9 @@ def _sent_on(held: dict, results: dict, sharding) -> dict:
     Otherwise XLA starts the sends early: every step's at once (a device then holding every
     shard of k and v), or the backward's first in the forward (whose sends compute the same),
     and each next shard is alive a step before it is used. In the programs libtpu compiles a
-    send of keys overlaps no kernel either way (docs/tpu.md), so nothing is lost by waiting."""
+    send of keys overlaps no kernel either way (docs/tpu.md), so nothing is lost by waiting. The
+    tie also keeps the next step's kernels from running ahead of this step's sums of dk and dv
+    (which wait for those arriving), each step's gradients kept alive until then."""
     import torch_xla.core.xla_model as xm
 
     xm.optimization_barrier_([*held.values(), *results.values()])
