@@ -174,7 +174,7 @@ class Sharding:
         if not dims:
             return local
         args = tuple((tuple(local[i].shape), str(local[i].dtype).removeprefix("torch.")) for i in dims)
-        fn = _exchange_function(args, tuple(dims.values()), self._balancing_moves(to_balanced), to_balanced)
+        fn = _exchange_function(args, tuple(dims.values()), self._balancing_moves(to_balanced), in_turn=to_balanced)
         for i, t in zip(dims, fn([local[i] for i in dims])):
             local[i] = t
         return local
