@@ -97,7 +97,7 @@ def test_the_ring_compiles_for_tpu_beside_the_all_gather():
     # computed the same as the forward's, XLA merged them and kept that shard alive in between.
     for row in (ring, ring16):
         assert row["ring_permutes"] == 6 * row["chips"] - 4, row
-    # HBM per chip at a fixed shard (8K tokens) does not grow much with the ring: 16 chips within
-    # 1.4x of 4 (the step tables grow with the chips; measured 0.39 and 0.32 GiB). Reordering the
-    # global tensors for the balanced layout instead took 0.93 GiB over 16 chips.
-    assert ring16["bytes"] < 1.4 * ring["bytes"], rows
+    # HBM per chip at a fixed shard (8K tokens) does not grow with the ring: 16 chips within 1.25x
+    # of 4 (the step tables grow with the chips; measured 0.39 and 0.32 GiB). Reordering the global
+    # tensors for the balanced layout instead took 0.93 GiB over 16 chips.
+    assert ring16["bytes"] < 1.25 * ring["bytes"], rows
