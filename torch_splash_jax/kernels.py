@@ -48,6 +48,12 @@ TRACES: collections.Counter = collections.Counter()
 _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
 
 
+def scaled(x, scale: float):
+    """x times the softmax scale, computed in float32, in x's dtype: the keys the kernels take
+    (they apply no scale) and the gradient of the unscaled keys."""
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
 class Program:
     """The jitted forward, infer and backward of one plan, and what they take.
 
@@ -99,7 +105,7 @@ class Program:
         # The kernel applies no softmax scale. Scaling k rather than q gives the same logits, and
         # the kernel's dq is then already the caller's; with GQA k is also the smaller tensor.
         p = self.plan
-        k = (k.astype(jnp.float32) * p.scale).astype(k.dtype)
+        k = scaled(k, p.scale)
         q = self._pad(q, 2, p.q_len_padded)
         if p.is_mqa:  # the MQA kernel takes k and v without a head axis
             k, v = k[:, 0], v[:, 0]
@@ -309,7 +315,7 @@ class Program:
         if self.call_rows_may_be_empty:
             dq = jnp.where(row_has_keys, dq, 0).astype(dq.dtype)
         dq = dq[:, :, : p.q_len]
-        dk = (dk[..., : p.kv_len, :].astype(jnp.float32) * p.scale).astype(dk.dtype)
+        dk = scaled(dk[..., : p.kv_len, :], p.scale)
         dv = dv[..., : p.kv_len, :]
         if p.is_mqa:
             dk, dv = dk[:, None], dv[:, None]

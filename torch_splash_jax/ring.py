@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kernels import _EMPTY_ROW_LSE, Program
+from .kernels import _EMPTY_ROW_LSE, Program, scaled
 from .plan import Plan, ring_steps
 
 
@@ -144,12 +144,12 @@ class RingProgram:
             for a, g, d in zip(accumulated, grads, dtypes)
         )
         if step == len(self.steps) - 1:
-            dq, dk, dv = (g.astype(jnp.float32) for g in grads)
-            grads = tuple(g.astype(x.dtype) for g, x in zip((dq, dk * self.plan.scale, dv), primals))
+            dq, dk, dv = grads
+            grads = tuple(g.astype(x.dtype) for g, x in zip((dq, scaled(dk, self.plan.scale), dv), primals))
         return grads
 
     def _scaled_keys(self, k):
-        return (k.astype(jnp.float32) * self.plan.scale).astype(k.dtype)
+        return scaled(k, self.plan.scale)
 
     def _sinks_grad(self, out, lse, d_out, sinks):
         # d out / d sink = -p_sink * out per row, with p_sink = exp(sink - lse)
