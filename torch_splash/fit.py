@@ -125,7 +125,8 @@ def libtpu_dir() -> pathlib.Path:
 
 def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Report:
     """Compile a torch_xla step's HLO text for `partitions` chips of `topology`, in a process of
-    its own (libtpu there, never here)."""
+    its own (libtpu there, never here) that imports JAX but not torch (torch_splash_jax.aot's
+    command line): importing torch and torch_splash cost that process about 7 of its 15 seconds."""
     generation, name = parse_topology(topology)
     env = aot.environment(str(libtpu_dir()))
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(pathlib.Path(__file__).resolve().parent.parent)])
@@ -133,8 +134,7 @@ def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Repor
         f.write(hlo_text)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "torch_splash.fit", "--compile-hlo", f.name, "--topology", name,
-             "--partitions", str(partitions)],
+            [sys.executable, "-m", "torch_splash_jax.aot", f.name, "--topology", name, "--partitions", str(partitions)],
             capture_output=True, text=True, env=env, timeout=3600,
         )  # fmt: skip
     finally:
@@ -145,27 +145,6 @@ def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Repor
     fields = json.loads(lines[-1])
     fields.setdefault("capacity", int(CAPACITY_GIB[generation] * (1 << 30)))  # the compiler's own when it refused
     return Report(topology=topology, **fields)
-
-
-def _compile_here(path: str, topology: str, partitions: int) -> dict:
-    """In the compiler's process: compile and describe (a JSON line)."""
-    chips = partitions
-    try:
-        memory = aot.compile_hlo(aot.hlo_text_to_proto(pathlib.Path(path).read_text()), topology, partitions)
-    except aot.OutOfMemory as oom:
-        needed, capacity = int(oom.used), int(oom.capacity)
-        return dict(chips=chips, fits=False, needed=needed, needed_is_lower_bound=oom.lower_bound, capacity=capacity)
-    except Exception as error:  # another refusal: its first lines, not swallowed
-        return dict(chips=chips, fits=False, error="\n".join(str(error).splitlines()[:8]))
-    return dict(
-        chips=chips,
-        fits=True,
-        arguments=memory.arguments,
-        outputs=memory.outputs,
-        temporaries=memory.temp,
-        code=memory.code,
-        total=memory.total,
-    )
 
 
 def _live_pending_tensors() -> list[torch.Tensor]:
@@ -352,14 +331,9 @@ def run_script(script: str, script_args: list[str], topology: str) -> Report:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_splash.fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", default="v5e", help="v5e, v5e:2x2, v5e:4x4, v6e:2x2, v5p:2x2x1, ...")
-    parser.add_argument("--compile-hlo", help=argparse.SUPPRESS)
-    parser.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("script", nargs="?")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
-    if options.compile_hlo:  # the compiler's own process
-        print(json.dumps(_compile_here(options.compile_hlo, options.topology, options.partitions)), flush=True)
-        return 0
     if not options.script:
         parser.error("give the training script to check")
     os.environ.setdefault("PJRT_DEVICE", "CPU")

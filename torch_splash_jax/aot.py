@@ -11,10 +11,14 @@ torch_xla, whole torch_xla training steps (`torch_splash_jax.compat.pending_hlo_
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import json
 import os
+import pathlib
 import re
+import sys
 
 from . import compat
 
@@ -125,3 +129,45 @@ def _compiled(compile_for, module, targets: tuple, partitions: int) -> Memory:
 def hlo_text_to_proto(text: str) -> bytes:
     """HLO text (what torch_xla prints for a pending graph) as a serialized module."""
     return compat.hlo_module_from_text(text)
+
+
+def report(hlo_path: str, topology: str, partitions: int = 1) -> dict:
+    """What the compiler says of the HLO text in `hlo_path` for `partitions` chips of `topology`:
+    fits (with the memory analysis), or does not (with the HBM it asked for, or its own error)."""
+    try:
+        memory = compile_hlo(hlo_text_to_proto(pathlib.Path(hlo_path).read_text()), topology, partitions)
+    except OutOfMemory as oom:
+        return dict(
+            chips=partitions,
+            fits=False,
+            needed=int(oom.used),
+            needed_is_lower_bound=oom.lower_bound,
+            capacity=int(oom.capacity),
+        )
+    except Exception as error:  # another refusal: its first lines, not swallowed
+        return dict(chips=partitions, fits=False, error="\n".join(str(error).splitlines()[:8]))
+    return dict(
+        chips=partitions,
+        fits=True,
+        arguments=memory.arguments,
+        outputs=memory.outputs,
+        temporaries=memory.temp,
+        code=memory.code,
+        total=memory.total,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m torch_splash_jax.aot STEP.hlo --topology v5e:2x2 [--partitions N]`, in a process
+    with `environment(...)`: prints `report(...)` as one JSON line (torch_splash.fit runs it)."""
+    parser = argparse.ArgumentParser(prog="python -m torch_splash_jax.aot", description=main.__doc__.split(":")[0])
+    parser.add_argument("hlo", help="a file of HLO text")
+    parser.add_argument("--topology", required=True, help="a topology name, e.g. v5e:2x2")
+    parser.add_argument("--partitions", type=int, default=1)
+    options = parser.parse_args(argv)
+    print(json.dumps(report(options.hlo, options.topology, options.partitions)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
