@@ -160,7 +160,9 @@ def report(hlo_path: str, topology: str, partitions: int = 1) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """`python -m torch_splash_jax.aot STEP.hlo --topology v5e:2x2 [--partitions N]`, in a process
     with `environment(...)`: prints `report(...)` as one JSON line (torch_splash.fit runs it)."""
-    parser = argparse.ArgumentParser(prog="python -m torch_splash_jax.aot", description=main.__doc__.split(":")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_splash_jax.aot", description="Compile an HLO module for TPU without one; report its HBM."
+    )
     parser.add_argument("hlo", help="a file of HLO text")
     parser.add_argument("--topology", required=True, help="a topology name, e.g. v5e:2x2")
     parser.add_argument("--partitions", type=int, default=1)
