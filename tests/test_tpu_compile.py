@@ -205,17 +205,21 @@ def _assert_compiled(results, case, kind, generation):
     assert result["bytes"] > 0
 
 
+# The in-graph modules are what torch_xla's graph transport runs: the torch_xla set compiles them.
+# The current set compiles the same programs as TorchTPU's jax_op exports them (below).
+@pytest.mark.xla
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case,generation", COMPILED, ids=[f"{c['name']}-{g}" for c, g in COMPILED])
 def test_program_compiles_for_tpu(default_results, case, kind, generation):
     _assert_compiled(default_results, case, kind, generation)
 
 
+@pytest.mark.xla
 def test_a_mosaic_version_past_the_libtpu_s_is_refused(default_results):
     """Why torch_splash decides the Mosaic version: what jax 0.7.1 writes by default on a machine
     without a TPU (8) is refused by the libtpu torch_xla 2.9.0 pins, which reads up to 7. With
-    TorchTPU's libtpu (the current set) every version jax 0.12 writes compiles, so the case is the
-    newest one, and it must compile."""
+    a newer libtpu in $TORCH_SPLASH_LIBTPU_DIR, every version the JAX in use writes compiles, so the
+    case is the newest one, and it must compile (the current set's TorchTPU exports check that)."""
     for generation in GENERATIONS:
         result = default_results[("jax-default-version-8", "forward", generation)]
         if LIBTPU_RELEASE == mosaic.PINNED_LIBTPU:
