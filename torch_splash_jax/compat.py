@@ -180,6 +180,11 @@ def mask_info(data_next, mask_next, block_mask, partial_mask_blocks, q_sequence)
     )
 
 
+def kernel_mask_infos(kernel) -> dict:
+    """{"forward", "dq", "dkv": MaskInfo or None} of a SplashAttentionKernel (its fields)."""
+    return {"forward": kernel.fwd_mask_info, "dq": kernel.dq_mask_info, "dkv": kernel.dkv_mask_info}
+
+
 def downcast_to_small_type(array):
     """A block table in the smallest integer type holding it, as JAX's own builder stores it."""
     try:

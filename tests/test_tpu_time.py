@@ -1,0 +1,226 @@
+"""The TPU time estimator: reading libtpu's schedules, counting grid steps from block tables, and the
+estimate of real kernels compiled deviceless (the current set's libtpu, the one it was calibrated
+with). The calibration against tokamax's measured times is `python -m torch_splash_jax.tpu_time
+calibrate` (docs/benchmarks.md); here a few of its entries run as a quick check."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+
+import torch_splash_jax
+from torch_splash_jax import schedule, tpu_time
+from torch_splash_jax.errors import SplashConstraintError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _program(lines: list[str]) -> str:
+    head = "= control target key start\nLH: loop header\nLB: loop body\n= control target key end\n\n"
+    return head + "\n".join(f"  {hex(i) if i else '0'}   :  {{ {text} }}" for i, text in enumerate(lines)) + "\n"
+
+
+def _kernel(tmp_path, body: dict[int, str], count: int, units=None) -> schedule.Schedule:
+    """A final_bundles dump of `count` bundles with `body` {bundle: text}, and its utilization."""
+    lines = [body.get(i, "%s1 = sadd.s32 1, %s2") for i in range(count)]
+    bundles = tmp_path / "1-k-01-final_bundles.txt"
+    bundles.write_text(_program(lines))
+    rows = units or [[0, 0, 1]] * count
+    utilization = tmp_path / "1-k-00-final_hlo-static-per-bundle-utilization.txt"
+    utilization.write_text("== CAPACTIY:\nMATMUL, VALU, SALU\n    4     4     2\n== UTILIZATION:\n")
+    utilization.write_text(utilization.read_text() + "\n".join(" ".join(map(str, r)) for r in rows) + "\n")
+    return schedule.read(bundles, utilization)
+
+
+MATMUL = "%v1 = vmatmul.bf16.gmra.mxu0 %v2"
+
+
+def _grid_kernel(tmp_path, matmul_regions=1):
+    """bundles 0-1 prologue; the loop 2..29 (back branch at 29): a first-step region 4..6, run
+    regions with matmuls, a last-step region, then 40 bundles in all."""
+    body = {
+        0: "%s0 = sld [smem:[#allocation0]] /* megacore core id :: core id */",
+        2: "%s3 = sadd.s32 1, %s3 /* Start region 2 */",
+        3: "%p1 = scmp.eq.s32 %s3, 0 ;; %9 = sbr.rel (%p1) target = $region10",
+        4: "%s4 = smov 0 /* Start region 9 */",
+        7: "%s5 = smov 0 /* Start region 10 */ ;; %10 = sbr.rel (%p2) target = $region20",
+    }
+    run = [(8, 14)] if matmul_regions == 1 else [(8, 11), (12, 16), (17, 19)][:matmul_regions]
+    region = 20
+    for index, (start, end) in enumerate(run):
+        for b in range(start, end):
+            body[b] = MATMUL
+        if index + 1 < len(run):
+            body[end] = f"%s6 = smov 0 /* Start region {region} */ ;; %11 = sbr.rel (%p3) target = $region{region + 1}"
+            region += 1
+    last = run[-1][1]
+    body[last] = f"%s7 = smov 0 /* Start region {region} */ ;; %12 = sbr.rel (%p4) target = $region{region + 1}"
+    body[last + 1] = "%s8 = smov 1 /* Start region 50 */"
+    body[last + 4] = f"%s9 = smov 0 /* Start region {region + 1} */"
+    body[29] = "%13 = sbr.rel (!%p5) target = $region2"
+    units = [[1 if "vmatmul" in body.get(i, "") else 0, 0, 1] for i in range(40)]
+    return _kernel(tmp_path, body, 40, units)
+
+
+def test_the_grid_loop_and_its_regions_are_read(tmp_path):
+    s = _grid_kernel(tmp_path)
+    assert (s.loop_start, s.loop_end, s.bundles) == (2, 30, 40)
+    assert s.megacore
+    spans = [(r.start, r.end) for r in s.regions]
+    assert spans == [(4, 7), (8, 14), (15, 18)], spans
+    assert [r.matmuls for r in s.regions] == [0, 6, 0]
+    assert s.base_bundles == 28 - 3 - 6 - 3
+    assert [role for _, role, _ in tpu_time.roles(s)] == ["first", "run", "last"]
+
+
+def test_two_matmul_regions_are_full_and_partial_blocks(tmp_path):
+    s = _grid_kernel(tmp_path, matmul_regions=2)
+    assert [role for _, role, _ in tpu_time.roles(s)] == ["first", "full", "partial", "last"]
+
+
+def test_a_kernel_of_another_shape_is_reported_not_guessed(tmp_path):
+    with pytest.raises(schedule.ScheduleError, match="3 regions with MXU work"):
+        tpu_time.roles(_grid_kernel(tmp_path, matmul_regions=3))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    with pytest.raises(schedule.ScheduleError, match="no grid loop"):
+        _kernel(flat, {}, 10)
+
+
+def test_kernel_time_counts_each_region_for_the_steps_that_run_it(tmp_path, monkeypatch):
+    s = _grid_kernel(tmp_path)
+    work = tpu_time.Work("forward", units=4, steps=10, first=2, last=2, full=5, partial=1, flops=0.0, read_bytes=0.0)
+    t = tpu_time.kernel_time(s, work, "v5p", calibrated=False)
+    # 2 of the 4 units per core (v5p: two cores); per unit: 10 steps x base + 2 x first + 6 x run + 2 x last
+    per_unit = 10 * s.base_bundles + 2 * 3 + 6 * 6 + 2 * 3
+    assert t.bundles == s.outside_loop + 2 * per_unit
+    assert t.schedule_seconds == pytest.approx(t.bundles / tpu_time.CHIPS["v5p"].clock)
+    assert t.rows == 2 * 2 and t.steps == 2 * 10
+    assert t.seconds == t.uncorrected_seconds == pytest.approx(t.schedule_seconds)  # no bytes moved
+    monkeypatch.setattr(tpu_time, "CLOCK_FACTOR", {"v5p": 1.5})
+    monkeypatch.setattr(tpu_time, "ROW_STALL", 1e-6)
+    fitted = tpu_time.kernel_time(s, work, "v5p")
+    assert fitted.seconds == pytest.approx(1.5 * t.schedule_seconds + 4 * 1e-6)
+    assert fitted.uncorrected_seconds == pytest.approx(t.seconds)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    blocks=st.sampled_from([(128, 128), (256, 128), (128, 384), (512, 256)]),
+    lengths=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+    offset=st.integers(-300, 300),
+    window=st.one_of(st.none(), st.integers(1, 700)),
+)
+def test_block_classes_match_the_dense_mask(blocks, lengths, offset, window):
+    bq, bkv = blocks
+    q_len, kv_len = lengths[0] * bq, lengths[1] * bkv
+    allowed = tpu_time.causal(offset, window)
+    dense = allowed(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+    tiles = dense.reshape(q_len // bq, bq, kv_len // bkv, bkv).transpose(0, 2, 1, 3)
+    expected = np.where(tiles.all(axis=(2, 3)), 2, np.where(tiles.any(axis=(2, 3)), 1, 0))
+    np.testing.assert_array_equal(tpu_time.block_classes(allowed, q_len, kv_len, bq, bkv), expected)
+
+
+def test_forward_work_of_a_causal_mask():
+    classes = tpu_time.block_classes(tpu_time.causal(), 4096, 4096, 1024, 1024)
+    work = tpu_time.forward_work(
+        classes, units=8, block_q=1024, block_kv=1024, head_dim=128, head_dim_v=128, itemsize=2, grid="active"
+    )
+    assert (work.steps, work.first, work.full, work.partial) == (10, 4, 6, 4)
+    assert work.flops == 2.0 * 8 * 10 * 1024 * 1024 * 256
+    rows = tpu_time.forward_work(
+        classes, units=8, block_q=1024, block_kv=1024, head_dim=128, head_dim_v=128, itemsize=2, grid="rows"
+    )
+    assert rows.steps == 16  # JAX's grid: every row runs as many steps as the longest
+
+
+def test_bad_generations_and_processes_are_refused_clearly(monkeypatch):
+    known = r"expected one of \['v5e', 'v5p', 'v6e', 'v7x'\]"
+    with pytest.raises(SplashConstraintError, match=rf"generation='v4x': {known}"):
+        tpu_time.chip("v4x")
+    monkeypatch.delenv("TORCH_SPLASH_SCHEDULE_DUMPS", raising=False)
+    with pytest.raises(SplashConstraintError, match="libtpu's dump flags are read once"):
+        tpu_time.dump_dir()
+
+
+def test_the_clock_follows_from_the_published_peak():
+    assert tpu_time.CHIPS["v5e"].clock == pytest.approx(1.503e9, rel=1e-3)
+    assert tpu_time.CHIPS["v5p"].clock == pytest.approx(1.751e9, rel=1e-3)
+    assert tpu_time.CHIPS["v6e"].clock == pytest.approx(1.751e9, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real kernels, compiled for TPU without one (libtpu 0.0.52: the current set's)
+
+LIBTPU = os.environ.get("TORCH_SPLASH_LIBTPU_DIR")
+needs_libtpu = pytest.mark.skipif(
+    not LIBTPU or not list(pathlib.Path(LIBTPU).glob(f"libtpu-{tpu_time.ESTIMATOR_LIBTPU}.dist-info")),
+    reason=f"needs libtpu {tpu_time.ESTIMATOR_LIBTPU} in $TORCH_SPLASH_LIBTPU_DIR (./dev.sh test-current sets it)",
+)
+
+
+def _estimate(generation, backward, **plan):
+    p = torch_splash_jax.plan(platform="tpu", **plan)
+    return tpu_time.estimate_in_subprocess(p, generation, backward, libtpu_dir=LIBTPU)
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
+    shape = dict(q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=torch_splash_jax.CausalMask())
+    step = _estimate("v5p", True, **shape)
+    assert sorted(k.kind for k in step.kernels) == ["dkv", "dq", "forward"]
+    forward = _estimate("v5p", False, **shape)
+    assert [k.kind for k in forward.kernels] == ["forward"]
+    for kernel in step.kernels:
+        # 8 heads, 4096 tokens, 512 blocks: JAX's grid runs every row of 8 blocks as long as the
+        # longest (8 steps), over 4 of the 8 heads on each of v5p's two cores
+        assert (kernel.steps, kernel.rows) == (4 * 8 * 8, 4 * 8), kernel
+        assert kernel.schedule_seconds > 0 and kernel.hbm_seconds > 0
+        assert 0.2 < kernel.mxu_utilization <= 1.0, kernel
+        assert kernel.binding_unit == "MXU"
+    # causal: 36 of the 64 blocks of each head are computed
+    fwd = next(k for k in step.kernels if k.kind == "forward")
+    assert fwd.flops == 2.0 * 8 * 36 * 512 * 512 * 256
+    assert step.rest_seconds >= 0 and step.seconds > forward.seconds
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_an_unmeasured_libtpu_that_writes_no_schedule_is_named(tmp_path):
+    # libtpu's dumps go nowhere when its dump flags are absent: the estimate names the release
+    p = torch_splash_jax.plan(platform="tpu", q_len=1024, num_q_heads=2, head_dim=128, dtype="bfloat16")
+    env = tpu_time.environment(LIBTPU, str(tmp_path))
+    env["LIBTPU_INIT_ARGS"] = ""
+    code = (
+        "import pickle, sys; from torch_splash_jax import tpu_time; "
+        "p = pickle.load(open(sys.argv[1], 'rb')); tpu_time.splash_estimate(p, 'v5e', backward=False)"
+    )
+    plan_file = tmp_path / "plan.pickle"
+    import pickle
+
+    plan_file.write_bytes(pickle.dumps(p))
+    done = subprocess.run([sys.executable, "-c", code, str(plan_file)], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"libtpu {tpu_time.ESTIMATOR_LIBTPU} wrote no kernel schedule for v5e" in done.stderr
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_calibration_against_tokamax_s_measured_times():
+    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
+    command = [sys.executable, "-m", "torch_splash_jax.tpu_time", "calibrate", "--generation", "v5p", "--limit", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("fwd", "v5p"))]
+    assert len(lines) == 3, done.stdout
+    for line in lines[:2]:
+        assert "estimate" in line and "measured" in line and "libtpu 0.0.52" in line, line
+    assert lines[-1].startswith("v5p forward: 2 entries, median error"), lines[-1]
+    errors = [float(line.split("(")[1].split("%")[0]) for line in lines[:2]]
+    assert all(abs(e) <= 25 for e in errors), lines  # two MXU-bound entries, at the calibrated stall

@@ -1,0 +1,358 @@
+"""Calibration: the schedule estimate (`torch_splash_jax.tpu_time`) of tokamax's own splash kernel
+at the shapes and configurations tokamax measured on real TPUs.
+
+tokamax ships its autotuning caches (`tokamax/data/autotuning/<chip>/...flash_attention*.json`):
+per call, the winning block configuration and five measured times. `calibrate` compiles tokamax's
+op at each entry (deviceless, with the current set's JAX and libtpu), estimates its kernel, prints
+one line per entry and a summary. `fit` fits the estimator's numbers over several generations'
+results: a clock factor per generation (`tpu_time.CLOCK_FACTOR`) and one stall per row for all
+(`tpu_time.ROW_STALL`); `./dev.sh bench-tpu-time` runs it.
+
+    python -m torch_splash_jax.tpu_time calibrate --generation v5p [--limit N] [--json FILE]
+
+tokamax is a calibration dependency (the current set's `calibrate` extra), never a runtime one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+import statistics
+
+import numpy as np
+
+from .errors import SplashConstraintError
+from .schedule import ScheduleError
+from .tpu_time import (
+    CLOCK_FACTOR,
+    ROW_STALL,
+    Estimate,
+    block_classes,
+    causal,
+    compile_schedules,
+    dkv_work,
+    forward_work,
+    full_mask,
+    program_estimate,
+)
+
+TOKAMAX_CHIPS = {"v5p": "tpu_v5", "v6e": "tpu_v6_lite", "v7x": "tpu7x"}
+_SHAPE = re.compile(r"(\w+)\[([\d,]+)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One measured entry of tokamax's cache: a call, its winning config, its median time."""
+
+    direction: str  # "forward" or "backward"
+    q: tuple
+    k: tuple
+    v: tuple
+    dtype: str
+    causal: dict | None  # {"offset", "window_size"} or None (no mask)
+    scale: float
+    residuals: bool
+    config: dict
+    measured_ms: float
+
+    def describe(self) -> str:
+        mask = (
+            "full"
+            if self.causal is None
+            else "causal" + (f"/w{self.causal['window_size']}" if self.causal.get("window_size") else "")
+        )
+        blocks = "/".join(str(self.config[k]) for k in self.config if k.startswith("block"))
+        shape = lambda dims: ",".join(map(str, dims))  # noqa: E731
+        return (
+            f"{'fwd' if self.direction == 'forward' else 'bwd'} {self.dtype}[{shape(self.q)}] "
+            f"kv[{shape(self.k)}] {mask}"
+            f"{' +res' if self.residuals else ''} blocks {blocks}"
+        )
+
+
+def tokamax_entries(generation: str, direction: str = "forward") -> list[Entry]:
+    """tokamax's measured entries (those with a winning config and times) for a generation."""
+    import importlib.resources
+
+    if generation not in TOKAMAX_CHIPS:
+        raise SplashConstraintError(
+            f"generation={generation!r}: tokamax's caches measure {sorted(TOKAMAX_CHIPS)} (v5e: none for attention)."
+        )
+    name = "pallas_mosaic_tpu_flash_attention" + ("_vjp" if direction == "backward" else "")
+    path = importlib.resources.files("tokamax") / "data" / "autotuning" / TOKAMAX_CHIPS[generation] / f"{name}.json"
+    if not path.is_file():
+        raise SplashConstraintError(f"tokamax measured no {direction} attention on {generation}.")
+    entries = []
+    for key, configs in json.loads(path.read_text()).items():
+        call = json.loads(key)
+        if len(configs) != 1 or call.get("bias") or call.get("mask", {}).get("bool_mask"):
+            continue
+        ((config, result),) = configs.items()
+        shapes = {name: _SHAPE.fullmatch(call[name]) for name in ("q", "k", "v")}
+        entries.append(
+            Entry(
+                direction=direction,
+                q=tuple(int(d) for d in shapes["q"][2].split(",")),
+                k=tuple(int(d) for d in shapes["k"][2].split(",")),
+                v=tuple(int(d) for d in shapes["v"][2].split(",")),
+                dtype=shapes["q"][1],
+                causal=call["mask"]["causal_mask"],
+                scale=call["logits_scale"],
+                residuals=bool(call.get("return_residuals")),
+                config=json.loads(config),
+                measured_ms=statistics.median(result["evaluation_times_ms"]),
+            )
+        )
+    return entries
+
+
+def _tokamax_program(entry: Entry):
+    """(fn, args, works) for one tokamax entry: its op at its config, and its kernels' work."""
+    import jax
+    import jax.numpy as jnp
+    from tokamax._src.ops.attention import pallas_mosaic_tpu as tk_fwd
+    from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as tk_vjp
+    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as tk_splash
+
+    dtype = jnp.dtype({"bf16": "bfloat16", "f16": "float16", "f32": "float32"}.get(entry.dtype, entry.dtype))
+    *batch, q_len, heads, head_dim = entry.q
+    *_, kv_len, kv_heads, _ = entry.k
+    head_dim_v = entry.v[-1]
+    units = math.prod(batch) * heads
+    allowed = (
+        full_mask if entry.causal is None else causal(entry.causal.get("offset") or 0, entry.causal.get("window_size"))
+    )
+    layouts = {name: tk_splash.QKVLayout(value) for name, value in entry.config.items() if name.endswith("_layout")}
+    args = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in (entry.q, entry.k, entry.v))
+    kwargs = dict(is_causal=entry.causal is not None, logits_scale=entry.scale)
+    if entry.causal is not None and (entry.causal.get("offset") or entry.causal.get("window_size")):
+        raise ScheduleError(f"{entry.describe()}: causal offsets and windows are not read yet")
+    if entry.direction == "forward":
+        config = tk_fwd.Config(**{**entry.config, **layouts})
+        op = tk_fwd.PallasMosaicTpuFlashAttention(config=config, bypass_device_check=True)
+
+        def fn(q, k, v):
+            return op(q, k, v, return_residuals=entry.residuals, **kwargs)
+
+        classes = block_classes(allowed, q_len, kv_len, config.block_q, config.block_kv)
+        work = forward_work(
+            classes,
+            units=units,
+            block_q=config.block_q,
+            block_kv=config.block_kv,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            itemsize=dtype.itemsize,
+            grid="active",
+        )
+        return fn, args, {"forward": work}
+    config = tk_vjp.Config(**entry.config)
+    op = tk_fwd.PallasMosaicTpuFlashAttention(
+        vjp=tk_vjp.PallasMosaicTpuFlashAttentionVjp(config=config, bypass_device_check=True), bypass_device_check=True
+    )
+    fwd_config = tk_fwd.Config(
+        block_q=min(1024, q_len),
+        block_kv=min(1024, kv_len),
+        block_kv_compute=min(512, kv_len),
+        q_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
+        k_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
+        v_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
+        use_experimental_scheduler=False,
+    )
+    op = dataclasses.replace(op, config=fwd_config)
+
+    def fn(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: op(q, k, v, **kwargs), q, k, v)
+        return pullback(out)
+
+    classes = block_classes(allowed, q_len, kv_len, config.block_q_dkv, config.block_kv_dkv)
+    work = dkv_work(
+        classes,
+        units=units,
+        block_q=config.block_q_dkv,
+        block_kv=config.block_kv_dkv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        itemsize=dtype.itemsize,
+        grid="active",
+        fused=True,
+    )
+    fwd_classes = block_classes(allowed, q_len, kv_len, fwd_config.block_q, fwd_config.block_kv)
+    fwd = forward_work(
+        fwd_classes,
+        units=units,
+        block_q=fwd_config.block_q,
+        block_kv=fwd_config.block_kv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        itemsize=dtype.itemsize,
+        grid="active",
+    )
+    return fn, args, {"dkv": work, "forward": fwd}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    entry: Entry
+    estimate: Estimate | None
+    error: str | None = None
+
+    def kernels(self) -> list:
+        """The kernels tokamax's time covers: the forward kernel, or the backward's dkv kernel,
+        without the XLA ops around them, which its times leave out (docs/benchmarks.md: at 16K
+        tokens, full mask, v5p, the kernel's schedule alone is 5.48 ms against 5.37 measured, and
+        XLA's own estimate of the transposes around it is 0.49 ms more)."""
+        kind = "forward" if self.entry.direction == "forward" else "dkv"
+        return [kernel for kernel in self.estimate.kernels if kernel.kind == kind]
+
+    def parts(self) -> tuple[float, float, int]:
+        """(schedule seconds at the published-peak clock, HBM seconds, rows per core)."""
+        kernels = self.kernels()
+        return (
+            sum(k.schedule_seconds for k in kernels),
+            sum(k.hbm_seconds for k in kernels),
+            sum(k.rows for k in kernels),
+        )
+
+    def seconds(self, factor: float = 1.0, stall: float = 0.0) -> float:
+        """The estimate with a clock factor and a stall per row (by default, neither)."""
+        schedule, hbm, rows = self.parts()
+        return schedule * factor + hbm + rows * stall
+
+
+def calibrate(
+    generation: str, direction: str = "forward", limit: int | None = None, log=None, json_path: str | None = None
+) -> list[Calibrated]:
+    """Estimate tokamax's kernel at each measured entry: one line per entry through `log` (and all
+    results so far rewritten to `json_path` after each), then the summary."""
+    log = log or functools.partial(print, flush=True)
+    entries = tokamax_entries(generation, direction)
+    if limit:
+        entries = _spread(entries, limit)
+    results = []
+    for entry in entries:
+        try:
+            fn, args, works = _tokamax_program(entry)
+            schedules, hlo = compile_schedules(fn, args, generation)
+            result = Calibrated(entry, program_estimate(schedules, works, hlo, generation))
+        except Exception as error:  # one entry's failure is reported, not fatal
+            result = Calibrated(entry, None, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        results.append(result)
+        log(calibration_line(result))
+        if json_path:
+            pathlib.Path(json_path).write_text(json.dumps([result_json(r) for r in results], indent=1))
+    log(summary_line(generation, direction, results))
+    return results
+
+
+def _spread(entries: list, limit: int) -> list:
+    """`limit` entries spread over the cache (it is sorted by shape)."""
+    if limit >= len(entries):
+        return entries
+    picks = np.linspace(0, len(entries) - 1, limit).round().astype(int)
+    return [entries[i] for i in sorted(set(picks))]
+
+
+def _constants(generation: str) -> tuple[float, float]:
+    return CLOCK_FACTOR.get(generation, 1.0), ROW_STALL
+
+
+def calibration_line(result: Calibrated) -> str:
+    entry = result.entry
+    if result.estimate is None:
+        return f"{entry.describe()}: measured {entry.measured_ms:.3f} ms, not estimated ({result.error})"
+    from .tpu_time import chip
+
+    generation = result.estimate.generation
+    estimate = result.seconds(*_constants(generation))
+    mxu = sum(kernel.flops for kernel in result.kernels()) / (estimate * chip(generation).peak_flops)
+    binding = result.kernels()[0].binding_unit if result.kernels() else "-"
+    return (
+        f"{entry.describe()}: estimate {estimate * 1e3:.3f} ms (without the fitted numbers "
+        f"{result.seconds() * 1e3:.3f}), measured {entry.measured_ms:.3f} ms "
+        f"({estimate * 1e3 / entry.measured_ms - 1:+.0%}), "
+        f"MXU {mxu:.0%}, bound by {binding}, libtpu {result.estimate.libtpu}"
+    )
+
+
+def _rows(results: list[Calibrated]) -> list[tuple[float, float, int, float]]:
+    return [(*r.parts(), r.entry.measured_ms * 1e-3) for r in results if r.estimate is not None]
+
+
+def errors_of(rows, factor: float = 1.0, stall: float = 0.0) -> list[float]:
+    """Estimate / measured - 1 of (schedule, HBM, rows, measured seconds) tuples."""
+    return [(schedule * factor + hbm + n * stall) / measured - 1 for schedule, hbm, n, measured in rows]
+
+
+def errors(results: list[Calibrated], factor: float = 1.0, stall: float = 0.0) -> list[float]:
+    return errors_of(_rows(results), factor, stall)
+
+
+def factor_of(rows, stall: float) -> float:
+    """The clock factor these entries fit at `stall`: the median of (measured - HBM - stall) / schedule."""
+    ratios = [(measured - hbm - n * stall) / schedule for schedule, hbm, n, measured in rows]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def fitted_factor(results: list[Calibrated], stall: float) -> float:
+    return factor_of(_rows(results), stall)
+
+
+STALLS = np.linspace(0, 2e-6, 81)  # the stalls `fit` tries, 25 ns apart
+
+
+def fit(rows_by_generation: dict[str, list], stalls=STALLS) -> tuple[float, dict]:
+    """(ROW_STALL, CLOCK_FACTOR) from {generation: [(schedule, HBM, rows, measured seconds)]}: the
+    stall, shared by every generation, for which the clock factor each generation then fits gives
+    the least mean (over generations) median error."""
+    best = None
+    for stall in stalls:
+        factors = {g: factor_of(rows, stall) for g, rows in rows_by_generation.items()}
+        score = statistics.mean(
+            statistics.median(abs(e) for e in errors_of(rows, factors[g], stall))
+            for g, rows in rows_by_generation.items()
+        )
+        if best is None or score < best[0]:
+            best = (score, float(stall), factors)
+    return best[1], best[2]
+
+
+def stats(errs: list[float]) -> str:
+    if not errs:
+        return "no entries estimated"
+    median = statistics.median(abs(e) for e in errs)
+    return f"median error {median:.1%}, within 25%: {sum(abs(e) <= 0.25 for e in errs) / len(errs):.0%}"
+
+
+def summary_line(generation: str, direction: str, results: list[Calibrated]) -> str:
+    """`G: N entries, median error X%, within 25%: Y%` with the fitted numbers in the code, then
+    the same without them, and the clock factor these entries fit at the code's stall."""
+    estimated = [r for r in results if r.estimate is not None]
+    factor, stall = _constants(generation)
+    line = f"{generation} {direction}: {len(estimated)} entries, {stats(errors(results, factor, stall))}"
+    line += f" (clock factor {factor:.3f}, stall {stall * 1e6:.2f} us per row); "
+    line += f"without them: {stats(errors(results))}; "
+    line += f"these entries fit a clock factor of {fitted_factor(results, stall):.3f}"
+    if len(estimated) < len(results):
+        line += f"; {len(results) - len(estimated)} not estimated"
+    return line
+
+
+def result_json(result: Calibrated) -> dict:
+    entry = result.entry
+    out = dict(entry=entry.describe(), measured_ms=entry.measured_ms, error=result.error)
+    if result.estimate is not None:
+        schedule, hbm, rows = result.parts()
+        out.update(
+            schedule_ms=schedule * 1e3,
+            hbm_ms=hbm * 1e3,
+            rows=rows,
+            libtpu=result.estimate.libtpu,
+            kernels=[dataclasses.asdict(kernel) for kernel in result.estimate.kernels],
+            rest_ms=result.estimate.rest_seconds * 1e3,
+        )
+    return out
