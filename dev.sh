@@ -16,6 +16,8 @@
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
 #   ./dev.sh bench-sequence     runs benchmarks/bench_sequence.py (the query sequence sharded: blocks, HBM, time)
 #   ./dev.sh bench-context-parallel  runs benchmarks/bench_context_parallel.py (all-gather vs ring: HBM per chip)
+#   ./dev.sh bench-tpu-time     runs benchmarks/bench_tpu_time.py in the current set (TPU kernel time estimated
+#                          from the compiler's schedule, against tokamax's measured times)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
@@ -70,7 +72,7 @@ install_libtpu() {
 }
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  test-current) install .venv-current 3.12 locks/current-py312.txt ;;
+  test-current|bench-tpu-time) install .venv-current 3.12 locks/current-py312.txt ;;
   test) install .venv 3.11 locks/xla-py311.txt; install .venv-current 3.12 locks/current-py312.txt ;;
   *) install .venv 3.11 locks/xla-py311.txt ;;
 esac
@@ -107,7 +109,7 @@ case "$cmd" in
   test-current) test_current "$@" ;;
   lock) uv=(.venv/bin/python -m uv pip compile -q pyproject.toml --extra test)
     "${uv[@]}" --extra xla -c locks/xla.in --python-version 3.11 --python-platform x86_64-manylinux_2_28 -o locks/xla-py311.txt
-    "${uv[@]}" --extra torchtpu -c locks/current.in --python-version 3.12 --python-platform x86_64-manylinux_2_31 \
+    "${uv[@]}" --extra torchtpu --extra calibrate -c locks/current.in --python-version 3.12 --python-platform x86_64-manylinux_2_31 \
       -o locks/current-py312.txt ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
@@ -116,10 +118,13 @@ case "$cmd" in
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
   bench-sequence) install_libtpu; exec .venv/bin/python benchmarks/bench_sequence.py "$@" ;;
   bench-context-parallel) install_libtpu; exec .venv/bin/python benchmarks/bench_context_parallel.py "$@" ;;
+  bench-tpu-time) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_tpu_time.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-sequence | bench-context-parallel | bench-report | lint | hf-finetune | fit-llama | lock" >&2; exit 2 ;;
+          "bench-transports | bench-tpu-memory | bench-sequence | bench-context-parallel | bench-tpu-time | bench-report | lint |" \
+          "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac
