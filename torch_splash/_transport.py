@@ -140,6 +140,8 @@ def platform_of(device: torch.device) -> str:
         return "cpu"
     if device.type == "tpu":  # TorchTPU
         return "tpu"
+    if device.type == "meta" and getattr(_FOR_TPU, "on", False):  # shapes only: planned, never run
+        return "tpu"
     if device.type == "xla":
         import torch_xla.runtime as xr
 

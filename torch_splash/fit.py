@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -36,11 +37,11 @@ import warnings
 
 import torch
 
-from torch_splash_jax import SplashConstraintError, aot, mosaic
+from torch_splash_jax import SplashConstraintError, aot, compat, mosaic
 
 from ._transport import planned_for_tpu
 
-__all__ = ["Report", "check", "largest_fitting", "main", "planned_for_tpu"]
+__all__ = ["Report", "check", "kernel_time", "largest_fitting", "main", "planned_for_tpu"]
 
 # HBM per chip, as libtpu 0.0.21's compiler states it when a step does not fit (measured: v5e
 # "Used 49.17G of 15.75G hbm"; the others in "Allocation ... would exceed memory (size=...)"). A
@@ -100,27 +101,59 @@ def parse_topology(topology: str) -> tuple[str, str]:
     return generation, aot.TOPOLOGIES[generation] if shape is None else f"{generation}:{shape}"
 
 
-def libtpu_dir() -> pathlib.Path:
-    """A folder holding libtpu for the compiler's process: $TORCH_SPLASH_LIBTPU_DIR, or the release
-    torch_xla pins installed once under ~/.cache/torch_splash (never where JAX would take it for
-    a backend)."""
-    given = os.environ.get("TORCH_SPLASH_LIBTPU_DIR")
-    release = mosaic.PINNED_LIBTPU
+def libtpu_dir(release: str = mosaic.PINNED_LIBTPU, variable: str = "TORCH_SPLASH_LIBTPU_DIR") -> pathlib.Path:
+    """A folder holding libtpu `release` for a compiler's process: $`variable`, or that release
+    installed once under ~/.cache/torch_splash (never where JAX would take it for a backend). By
+    default the release torch_xla pins, for HBM; `kernel_time` asks for the one its estimates
+    were calibrated with."""
+    given = os.environ.get(variable)
+    if not given and compat.installed("libtpu") == release:  # installed beside torch_splash (TorchTPU's)
+        return pathlib.Path(importlib.metadata.distribution("libtpu").locate_file(""))
     folder = pathlib.Path(given) if given else pathlib.Path.home() / ".cache" / "torch_splash" / f"libtpu-{release}"
     if (folder / "libtpu" / "libtpu.so").is_file():
         return folder
     if given:
-        raise SplashConstraintError(f"$TORCH_SPLASH_LIBTPU_DIR={given} holds no libtpu/libtpu.so.")
+        raise SplashConstraintError(f"${variable}={given} holds no libtpu/libtpu.so.")
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), f"libtpu=={release}"]
     print(f"torch_splash.fit: installing libtpu=={release} into {folder} (once)", file=sys.stderr)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not (folder / "libtpu" / "libtpu.so").is_file():
         raise SplashConstraintError(
             f"torch_splash.fit needs libtpu=={release} and could not install it ({done.stderr.strip()[-300:]}). "
-            f"Install it yourself: pip install --no-deps --target DIR libtpu=={release}, then set "
-            "TORCH_SPLASH_LIBTPU_DIR=DIR."
+            f"Install it yourself: pip install --no-deps --target DIR libtpu=={release}, then set {variable}=DIR."
         )
     return folder
+
+
+def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool = True, **options):
+    """The estimated TPU device time of one `torch_splash.attention(q, k, v, mask, **options)`
+    call on one device of `generation` ("v5e", "v5p", "v6e", "v7x"), from the TPU compiler's own
+    schedule of the kernels it would run there, compiled here without a TPU. An estimate, not a
+    measurement: `torch_splash_jax.tpu_time` says what it leaves out, and docs/benchmarks.md its
+    error against tokamax's measured TPU times.
+
+    q, k, v may be meta tensors (only their shapes and dtypes are read). With `backward`, the
+    estimate covers a training step's forward and backward kernels. Returns an Estimate:
+    `.seconds` (kernels and, at XLA's own estimate, the ops around them), `.kernels` (each
+    kernel's KernelTime), `.mxu_utilization`, `.binding_unit`.
+    """
+    from torch_splash_jax import tpu_time
+
+    from . import _checks, api
+
+    tpu_time.chip(generation)
+    unknown = set(options) - {"scale", "segment_ids", "soft_cap", "sinks", "block_sizes"}
+    if unknown:
+        raise SplashConstraintError(
+            f"kernel_time: {sorted(unknown)} are not options of one device's call "
+            "(scale, segment_ids, soft_cap, sinks, block_sizes)."
+        )
+    get = options.get
+    with planned_for_tpu():  # meta tensors too: planned for TPU, never run
+        call = _checks.check_call(q, k, v, mask, get("scale"), get("segment_ids"), get("soft_cap"), get("sinks"))
+    plan = api._plan(call, get("block_sizes"), "tpu", None)
+    folder = libtpu_dir(tpu_time.ESTIMATOR_LIBTPU, "TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR")
+    return tpu_time.estimate_in_subprocess(plan, generation, backward, libtpu_dir=str(folder))
 
 
 def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Report:
@@ -152,7 +185,6 @@ def _live_pending_tensors() -> list[torch.Tensor]:
     compute (the updated parameters and their gradients, optimizer state, the loss). Found from
     the objects Python holds: tensors, the gradients of tensors, the values of dicts, lists and
     tuples (an optimizer's state)."""
-    from torch_splash_jax import compat
 
     gc.collect()  # only what the script still holds
     found: dict[int, torch.Tensor] = {}
@@ -251,8 +283,6 @@ def check(step_fn, *args, topology: str = "v5e", **kwargs) -> Report:
     `topology` with the TPU compiler. The step is not executed."""
     import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
 
-    from torch_splash_jax import compat
-
     parse_topology(topology)
     with _building_one_step():
         step_fn(*args, **kwargs)
@@ -288,8 +318,6 @@ def _stopping_at_the_first_boundary(graph: list):
     and so its tensors, are alive), and the script stops."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-
-    from torch_splash_jax import compat
 
     def boundary(*args, **kwargs):
         graph.append(compat.pending_hlo_text(_live_pending_tensors()))
