@@ -69,6 +69,15 @@ install_libtpu() {
     touch ".venv/libtpu/.installed-$release"
   fi
   export TORCH_SPLASH_LIBTPU_DIR="$PWD/.venv/libtpu"
+  # the TPU time estimator reads the schedules of the libtpu it was calibrated with (the current set's)
+  release=$(sed -n 's/^ESTIMATOR_LIBTPU = "\(.*\)"$/\1/p' torch_splash_jax/tpu_time.py)
+  if [ ! -f ".venv/libtpu-estimator/.installed-$release" ]; then
+    echo "[dev.sh] installing libtpu==$release into .venv/libtpu-estimator (for the TPU time estimates)" >&2
+    rm -rf .venv/libtpu-estimator
+    .venv/bin/python -m pip install -q --no-deps --target .venv/libtpu-estimator "libtpu==$release"
+    touch ".venv/libtpu-estimator/.installed-$release"
+  fi
+  export TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR="$PWD/.venv/libtpu-estimator"
 }
 cmd="${1:-}"; shift || true
 case "$cmd" in

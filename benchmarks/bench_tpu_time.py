@@ -6,14 +6,18 @@ leaves out); only tokamax's "measured" column was measured, on real chips, by to
 1. Calibration: `torch_splash_jax.calibration` at every measured entry of tokamax's caches,
    forward on v5p, v6e and v7x and backward (fused dkv) on v7x: the error without and with the
    one number fitted per generation (the stall per row).
-2. Comparison, forward and forward+backward per call, one device: (a) torch_splash as planned
-   before the TPU plan was chosen by these estimates (512 blocks, separate dq and dkv kernels:
-   MaxText's defaults for JAX's splash, so also (b) JAX's splash called with them), (c) tokamax at
-   its cached winning configuration where its cache measured the shape (forward), and (d)
-   torch_splash as it plans now.
+2. Comparison, forward and forward+backward per call, one device: torch_splash as it plans for
+   TPU today (512 blocks, separate dq and dkv kernels: MaxText's defaults for JAX's splash, so
+   also JAX's splash called with them), the search's best candidates (below), and tokamax at its
+   cached winning configuration where its cache measured the shape (forward). Document masks
+   (segment ids) are not a row: their block tables are the causal ones (ids are data, no block
+   can be skipped for them when planning), so their kernels' steps are the causal rows'.
+3. Search: forward+backward of candidate TPU plans (blocks, compute blocks, fused or separate
+   backward), causal, 16 heads, 8K and 32K tokens at head_dim 128 and 16K at 256.
 
-    ./dev.sh bench-tpu-time            # the calibration (about 270 compiles) and the comparison
-    ./dev.sh bench-tpu-time --quick    # two calibration entries on v5p and one comparison row
+    ./dev.sh bench-tpu-time            # all three (about 270 + 140 + 100 compiles: hours on 2 cores)
+    ./dev.sh bench-tpu-time --quick    # one calibration entry, one comparison row, two candidates
+    ./dev.sh bench-tpu-time --parts search --saved DIR   # one part, saved in DIR for a later run
 
 Writes benchmarks/results/tpu_time.json (or tpu_time_quick.json). Runs in the current set
 (tokamax and libtpu 0.0.52 live there).
@@ -31,21 +35,23 @@ import report  # benchmarks/report.py: results files and their tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALIBRATIONS = [("v5p", "forward"), ("v6e", "forward"), ("v7x", "forward"), ("v7x", "backward")]
-# (generation, mask, L, q heads, kv heads, head_dim): B=1, bf16
+# (generation, mask, L, q heads, kv heads, head_dim): B=1, bf16. tokamax measured the 16K rows of
+# 16/16 and 8/8 heads (causal and full) on v5p, v6e and v7x. (v5e and v6e, 4K and 128K: not yet run.)
 COMPARISON = [
     (generation, mask, length, heads, kv_heads, dim)
-    for generation in ("v5e", "v5p", "v6e", "v7x")
+    for generation in ("v5p", "v7x")
     for mask, length, heads, kv_heads, dim in (
-        ("causal", 8192, 16, 16, 128),
-        ("causal", 32768, 16, 16, 128),
-        ("causal", 16384, 32, 8, 128),
-        ("causal", 16384, 8, 8, 256),
+        ("causal", 16384, 16, 16, 128),
         ("full", 16384, 16, 16, 128),
+        ("causal", 16384, 8, 8, 256),
+        ("causal", 16384, 32, 8, 128),
         ("window 4096", 32768, 16, 16, 128),
-        ("documents of 4096", 32768, 16, 16, 128),
     )
 ]
 QUICK_COMPARISON = [("v5p", "causal", 4096, 8, 8, 128)]
+QUICK_ENTRY = "fwd bf16[8,2048,16,128] kv[8,2048,16,128] causal blocks"  # one measured entry, quick to compile
+# The search's best candidates (below), estimated beside today's plan in the comparison
+COMPARED = ("2048x1024/512 separate", "2048x1024/512 fused")
 BEFORE = dict(
     block_q=512,
     block_kv=512,
@@ -76,9 +82,7 @@ def _mask(name: str, length: int):
         return tsj.CausalMask(), False
     if name == "full":
         return tsj.FullMask(), False
-    if name.startswith("window"):
-        return tsj.CausalMask() & tsj.LocalMask(int(name.split()[1]) - 1, 0), False
-    return tsj.CausalMask(), True  # documents: segment ids; the tables cannot know where they change
+    return tsj.CausalMask() & tsj.LocalMask(int(name.split()[1]) - 1, 0), False
 
 
 def _comparison_row(case: tuple) -> dict:
@@ -88,7 +92,7 @@ def _comparison_row(case: tuple) -> dict:
     generation, mask_name, length, heads, kv_heads, dim = case
     mask, segment_ids = _mask(mask_name, length)
     row = dict(generation=generation, mask=mask_name, L=length, heads=heads, kv_heads=kv_heads, head_dim=dim)
-    for name, blocks in (("before", tsj.BlockSizes(**BEFORE)), ("planned", None)):
+    for name, blocks in [("today", None)] + [(c, tsj.BlockSizes(**CANDIDATES[c])) for c in COMPARED]:
         plan = tsj.plan(
             q_len=length,
             num_q_heads=heads,
@@ -101,7 +105,8 @@ def _comparison_row(case: tuple) -> dict:
             block_sizes=blocks,
         )
         row[name] = dict(blocks=plan.block_sizes())
-        for direction, backward in (("forward", False), ("step", True)):
+        # the fused candidate's forward kernel is the separate one's (the same forward blocks)
+        for direction, backward in (("forward", False), ("step", True))[name.endswith(" fused") :]:
             try:
                 estimate = tpu_time.splash_estimate(plan, generation, backward=backward)
             except Exception as error:  # a refusal is a result
@@ -186,18 +191,20 @@ SEARCH = [
 ]
 
 
-def search(cases=SEARCH) -> list[dict]:
-    """The estimated forward+backward kernel time of each candidate plan, causal, B=1, 16 heads."""
+def search(cases=SEARCH, candidates=None) -> list[dict]:
+    """The estimated forward+backward kernel time of each candidate plan ("planned": torch_splash's
+    own), causal, B=1, 16 heads."""
     import torch_splash_jax as tsj
     from torch_splash_jax import tpu_time
 
     rows = []
     for generation, length, dim in cases:
         row = dict(generation=generation, L=length, head_dim=dim, ms={})
-        for name, blocks in CANDIDATES.items():
+        for name in candidates or [*CANDIDATES, "planned"]:
+            blocks = None if name == "planned" else tsj.BlockSizes(**CANDIDATES[name])
             try:
                 plan = tsj.plan(q_len=length, num_q_heads=16, head_dim=dim, dtype="bfloat16", mask=tsj.CausalMask(),
-                                platform="tpu", block_sizes=tsj.BlockSizes(**blocks))  # fmt: skip
+                                platform="tpu", block_sizes=blocks)  # fmt: skip
                 row["ms"][name] = tpu_time.splash_estimate(plan, generation, backward=True).kernel_seconds * 1e3
             except Exception as error:  # refused (VMEM, SMEM) or not compiled: not a candidate here
                 row["ms"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
@@ -206,33 +213,59 @@ def search(cases=SEARCH) -> list[dict]:
     return rows
 
 
-def worker(quick: bool, calibration_dir: str | None) -> dict:
-    """In a process started with libtpu's dump flags: everything this benchmark measures."""
+def calibrations(quick: bool, saved: pathlib.Path | None) -> dict:
+    from torch_splash_jax import calibration
+
+    out = {}
+    for generation, direction in [("v5p", "forward")] if quick else CALIBRATIONS:
+        path = saved / f"{generation}-{direction}.json" if saved else None
+        if path is not None and path.is_file():
+            entries = json.loads(path.read_text())
+        else:
+            found = calibration.calibrate(generation, direction, only=QUICK_ENTRY if quick else None)
+            entries = [calibration.result_json(r) for r in found]
+            if path is not None:
+                path.write_text(json.dumps(entries))
+        out[f"{generation}/{direction}"] = entries
+    return out
+
+
+PARTS = ("calibration", "comparison", "search")
+
+
+def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
+    """In a process started with libtpu's dump flags: the parts this benchmark measures; each part
+    found in `saved` (as a run of this benchmark left it there) is taken from it, each other part
+    computed and saved there."""
     from torch_splash_jax import calibration, tpu_time
 
-    results = dict(
-        calibration={}, comparison=[], clock_factor=dict(tpu_time.CLOCK_FACTOR), row_stall_us=tpu_time.ROW_STALL * 1e6
-    )
-    for generation, direction in [("v5p", "forward")] if quick else CALIBRATIONS:
-        saved = pathlib.Path(calibration_dir or "") / f"{generation}-{direction}.json"
-        if calibration_dir and saved.is_file():
-            entries = json.loads(saved.read_text())
-        else:
-            found = calibration.calibrate(generation, direction, limit=2 if quick else None)
-            entries = [calibration.result_json(r) for r in found]
-        results["calibration"][f"{generation}/{direction}"] = entries
-    forward = {
-        key.split("/")[0]: [(e["schedule_ms"] * 1e-3, e["hbm_ms"] * 1e-3, e["rows"], e["measured_ms"] * 1e-3)
-                            for e in entries if e.get("schedule_ms") is not None]
-        for key, entries in results["calibration"].items() if key.endswith("/forward")
-    }  # fmt: skip
-    stall, factors = calibration.fit(forward)
-    results["fitted"] = dict(row_stall_us=stall * 1e6, clock_factor=factors)
-    print(f"fitted: ROW_STALL = {stall:.3g}, CLOCK_FACTOR = {factors}", flush=True)
-    for case in QUICK_COMPARISON if quick else COMPARISON:
-        results["comparison"].append(_comparison_row(case))
-        print(json.dumps(results["comparison"][-1]), flush=True)
-    results["search"] = search(SEARCH[:1] if quick else SEARCH)
+    results = dict(clock_factor=dict(tpu_time.CLOCK_FACTOR), row_stall_us=tpu_time.ROW_STALL * 1e6)
+
+    def part(name, compute):
+        path = saved / f"{name}.json" if saved else None
+        if path is not None and path.is_file():
+            return json.loads(path.read_text())
+        value = compute()
+        if path is not None:
+            path.write_text(json.dumps(value))
+        return value
+
+    if "calibration" in parts:
+        results["calibration"] = calibrations(quick, saved)
+        forward = {
+            key.split("/")[0]: [(e["schedule_ms"] * 1e-3, e["hbm_ms"] * 1e-3, e["rows"], e["measured_ms"] * 1e-3)
+                                for e in entries if e.get("schedule_ms") is not None]
+            for key, entries in results["calibration"].items() if key.endswith("/forward")
+        }  # fmt: skip
+        stall, factors = calibration.fit(forward)
+        results["fitted"] = dict(row_stall_us=stall * 1e6, clock_factor=factors)
+        print(f"fitted: ROW_STALL = {stall:.4g}, CLOCK_FACTOR = {factors}", flush=True)
+    if "comparison" in parts:
+        cases = QUICK_COMPARISON if quick else COMPARISON
+        results["comparison"] = part("comparison", lambda: [_comparison_row(case) for case in cases])
+    if "search" in parts:
+        quick_search = lambda: search(SEARCH[:1], candidates=("512 separate", "2048x1024/512 fused"))  # noqa: E731
+        results["search"] = part("search", quick_search if quick else search)
     return results
 
 
@@ -240,12 +273,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {', '.join(PARTS)}")
     parser.add_argument(
-        "--calibration-dir", help="take the calibration from `tpu_time calibrate --json` files G-DIRECTION.json here"
+        "--saved",
+        metavar="DIR",
+        help="take each part a run saved in DIR (calibration as G-DIRECTION.json, as `tpu_time calibrate --json` "
+        "writes it; comparison.json; search.json) and save the others there",
     )
     options = parser.parse_args()
+    parts = tuple(options.parts.split(","))
+    saved = pathlib.Path(options.saved).resolve() if options.saved else None
+    if saved:
+        saved.mkdir(parents=True, exist_ok=True)
     if options.worker:
-        out = worker(options.quick, options.calibration_dir)
+        out = worker(options.quick, saved, parts)
         pathlib.Path(options.worker).write_text(json.dumps(out))
         return
     from torch_splash_jax import tpu_time
@@ -256,11 +297,13 @@ def main() -> None:
         out = pathlib.Path(directory) / "results.json"
         env = tpu_time.environment(_libtpu_dir(), str(dumps))
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "benchmarks"), str(ROOT)])
-        command = [sys.executable, __file__, "--worker", str(out)] + (["--quick"] if options.quick else [])
-        if options.calibration_dir:
-            command += ["--calibration-dir", str(pathlib.Path(options.calibration_dir).resolve())]
+        command = [sys.executable, __file__, "--worker", str(out), "--parts", ",".join(parts)]
+        command += (["--quick"] if options.quick else []) + (["--saved", str(saved)] if saved else [])
         subprocess.run(command, env=env, check=True)
         results = json.loads(out.read_text())
+    if set(parts) != set(PARTS):
+        print(json.dumps({k: v for k, v in results.items() if k != "calibration"})[:4000])
+        return  # a part alone is for --saved; the results file and its table need every part
     results["libtpu"] = tpu_time.ESTIMATOR_LIBTPU
     report.save("tpu_time", results, options.quick, "./dev.sh bench-tpu-time")
 

@@ -369,43 +369,63 @@ def _tpu_time(r: dict) -> str:
             )
     lines += [
         "",
-        "Side by side, one device, B=1, bf16, estimated kernel time per call (ms; MXU = flops over time at peak). "
-        "before: 512 blocks with separate dq and dkv kernels (torch_splash's TPU plan until it was chosen by these "
-        "estimates, and MaxText's defaults for JAX's splash); planned: torch_splash now; tokamax: its kernel at its "
-        "cached winning configuration (forward; its measured time in brackets). Document masks run the causal "
-        "tables (segment ids are data: no block can be skipped for them at plan time).",
+        "Side by side, one device, B=1, bf16: estimated kernel time per call in ms (MXU: useful flops over that time "
+        "at the chip's peak). today: torch_splash's TPU plan (512 blocks, separate dq and dkv kernels), which are "
+        "also MaxText's defaults for JAX's splash; sep. and fused: the search's best candidates below (forward "
+        "2048 x 1024 blocks, compute 512; dkv 1024 x 2048; dq 1024 x 2048 or fused into dkv), not yet the plan; "
+        "tokamax: its kernel at its cached winning configuration, forward, with its measured time in brackets. "
+        "A refused entry names its refusal (the fused backward's dq buffer grows with L^2 / block).",
         "",
-        "| chip | mask | L | heads | D | before fwd | before fwd+bwd | planned fwd | planned fwd+bwd | "
-        "planned / before (fwd+bwd) | tokamax fwd | planned / tokamax (fwd) | planned blocks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| chip | mask | L | heads | D | today fwd | today fwd+bwd | sep. fwd | sep. fwd+bwd | fused fwd+bwd "
+        "| best / today (fwd+bwd) | tokamax fwd | today / tokamax (fwd) | sep. / tokamax (fwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["comparison"]:
-        before, planned, tk = row["before"], row["planned"], row.get("tokamax")
+        today, separate, fused = (row.get(k, {}) for k in ("today", "2048x1024/512 separate", "2048x1024/512 fused"))
 
         def cell(part):
+            if part is None:
+                return ""
             if "error" in part:
-                return "refused"
+                return "refused: " + part["error"].split(":")[0]
             return f"{part['kernel_ms']:.3f} ({part['mxu']:.0%})"
 
-        ratio = (
-            f"{planned['step']['kernel_ms'] / before['step']['kernel_ms']:.2f}"
-            if "kernel_ms" in planned["step"] and "kernel_ms" in before["step"]
-            else ""
-        )
-        tk_cell, tk_ratio = "", ""
+        def ms(part):
+            return part.get("kernel_ms") if part else None
+
+        steps = [ms(c.get("step")) for c in (separate, fused) if ms(c.get("step"))]
+        best = f"{min(steps) / ms(today['step']):.2f}" if steps and ms(today.get("step")) else ""
+        tk = row.get("tokamax")
+        tk_cell = f"{tk['forward_ms']:.3f} [{tk['measured_ms']:.3f}] at {tk['blocks']}" if tk else ""
+        ratios = ["", ""]
         if tk:
-            tk_cell = f"{tk['forward_ms']:.3f} [{tk['measured_ms']:.3f}] at {tk['blocks']}"
-            if "kernel_ms" in planned["forward"]:
-                tk_ratio = f"{planned['forward']['kernel_ms'] / tk['forward_ms']:.2f}"
-        blocks = planned["blocks"]
-        planned_blocks = f"{blocks['block_q']}/{blocks['block_kv']}/{blocks['block_kv_compute']}" + (
-            " fused" if blocks.get("use_fused_bwd_kernel") else " separate dq"
-        )
+            ratios = [
+                f"{ms(c.get('forward')) / tk['forward_ms']:.2f}" if ms(c.get("forward")) else ""
+                for c in (today, separate)
+            ]
         lines.append(
             f"| {row['generation']} | {row['mask']} | {row['L'] // 1024}K | {row['heads']}/{row['kv_heads']} "
-            f"| {row['head_dim']} | {cell(before['forward'])} | {cell(before['step'])} | {cell(planned['forward'])} "
-            f"| {cell(planned['step'])} | {ratio} | {tk_cell} | {tk_ratio} | {planned_blocks} |"
+            f"| {row['head_dim']} | {cell(today.get('forward'))} | {cell(today.get('step'))} "
+            f"| {cell(separate.get('forward'))} | {cell(separate.get('step'))} | {cell(fused.get('step'))} | {best} "
+            f"| {tk_cell} | {' | '.join(ratios)} |"
         )
+    if r.get("search"):
+        names = list(r["search"][0]["ms"])
+        lines += [
+            "",
+            "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan, causal, B=1, 16 heads, "
+            "bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in bench_tpu_time.CANDIDATES).",
+            "",
+            "| chip | L | D | " + " | ".join(names) + " | fastest |",
+            "|---|---|---|" + "---|" * (len(names) + 1),
+        ]
+        for row in r["search"]:
+            cells = [f"{v:.2f}" if isinstance(v, float) else "refused" for v in row["ms"].values()]
+            timed = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
+            fastest = min(timed, key=timed.get) if timed else ""
+            lines.append(
+                f"| {row['generation']} | {row['L'] // 1024}K | {row['head_dim']} | {' | '.join(cells)} | {fastest} |"
+            )
     return "\n".join(lines + tables)
 
 

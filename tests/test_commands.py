@@ -36,6 +36,7 @@ def test_demo():
         ("bench-sequence", "sequence_quick.json", "blocks"),
         ("bench-context-parallel", "context_parallel_quick.json", "rows"),
         ("fit-llama", "fit_quick.json", "rows"),
+        ("bench-tpu-time", "tpu_time_quick.json", "calibration"),
     ],
 )
 def test_benchmark_quick_mode(command, result, key):
@@ -43,6 +44,23 @@ def test_benchmark_quick_mode(command, result, key):
     dev(command, "--quick")
     assert json.loads((RESULTS / result).read_text())[key]
     assert json.loads((RESULTS / result).read_text())["machine"]
+
+
+def test_tpu_time_estimates_one_of_tokamax_s_measured_entries():
+    """From bench-tpu-time --quick: the estimate of tokamax's kernel at one of its measured entries
+    (v5p, 2K tokens) is within 25% of tokamax's measured time, with the estimator's fitted numbers;
+    and the plan search estimated every candidate it ran."""
+    path = RESULTS / "tpu_time_quick.json"
+    if not path.exists():
+        dev("bench-tpu-time", "--quick")
+    r = json.loads(path.read_text())
+    (entry,) = r["calibration"]["v5p/forward"]
+    estimate = (
+        entry["schedule_ms"] * r["clock_factor"]["v5p"] + entry["hbm_ms"] + entry["rows"] * r["row_stall_us"] * 1e-3
+    )
+    assert abs(estimate / entry["measured_ms"] - 1) <= 0.25, (estimate, entry)
+    (row,) = r["search"]
+    assert all(isinstance(ms, float) and ms > 0 for ms in row["ms"].values()), row
 
 
 def test_benchmark_docs_match_the_results_files():

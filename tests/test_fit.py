@@ -50,6 +50,18 @@ def test_a_small_step_fits_with_its_hbm_figures():
     assert report.total >= report.arguments and "fits" in str(report)
 
 
+def test_the_step_s_attention_time_is_estimated_beside_its_hbm():
+    """check(..., estimate_time=True): the attention kernels' estimated time (forward, dq and dkv of
+    the one call in the step, from libtpu 0.0.52's schedule) and XLA's own estimate of the rest."""
+    report = fit.check(*_step(splash, 2048, dtype=torch.bfloat16), topology="v5e", estimate_time=True)
+    assert report.fits and report.attention_calls == 1, report
+    q = torch.empty(1, 4, 2048, 64, dtype=torch.bfloat16, device="meta")
+    alone = fit.kernel_time(q, q, q, "causal", generation="v5e")
+    assert report.attention_seconds == pytest.approx(alone.kernel_seconds)
+    assert report.rest_seconds is not None and report.rest_seconds > 0
+    assert "attention kernels, 1 call" in str(report) and "XLA's own estimate" in str(report)
+
+
 def test_a_step_too_large_for_the_chip_is_reported_with_the_compiler_s_figure():
     """SDPA materialises (H, L, L) scores: at 32K tokens and 16 heads in bf16 that is 32 GiB per
     score tensor, over one v5e chip's 15.75 GiB; the compiler says how much it needed."""

@@ -210,17 +210,20 @@ def test_an_unmeasured_libtpu_that_writes_no_schedule_is_named(tmp_path):
     assert f"libtpu {tpu_time.ESTIMATOR_LIBTPU} wrote no kernel schedule for v5e" in done.stderr
 
 
-@pytest.mark.torchtpu
-@needs_libtpu
-def test_calibration_against_tokamax_s_measured_times():
-    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
-    command = [sys.executable, "-m", "torch_splash_jax.tpu_time", "calibrate", "--generation", "v5p", "--limit", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("fwd", "v5p"))]
-    assert len(lines) == 3, done.stdout
-    for line in lines[:2]:
-        assert "estimate" in line and "measured" in line and "libtpu 0.0.52" in line, line
-    assert lines[-1].startswith("v5p forward: 2 entries, median error"), lines[-1]
-    errors = [float(line.split("(")[1].split("%")[0]) for line in lines[:2]]
-    assert all(abs(e) <= 25 for e in errors), lines  # two MXU-bound entries, at the calibrated stall
+def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the_compiled_hlo():
+    hlo = "\n".join(
+        [
+            "HloModule m",
+            "",
+            "ENTRY %main (q: bf16[2,128]) -> bf16[2,128] {",
+            '  %copy.1 = bf16[2,128]{1,0} copy(%q), backend_config={"window_config":{"estimated_cycles":"300"}}',
+            '  %splash_mha_fwd.1 = (bf16[2,128]{1,0}, f32[2,128]{1,0}) custom-call(%copy.1), '
+            'custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"9999"}',
+            '  ROOT %fusion.2 = bf16[2,128]{1,0} fusion(%splash_mha_fwd.1), backend_config={"estimated_cycles":"45"}',
+            "}",
+        ]
+    )
+    assert schedule.rest_cycles(hlo) == 345  # the kernel's own figure is not XLA's to give
+    assert tpu_time.kernel_output_bytes(hlo, "splash_mha_fwd.1") == 2 * 128 * 2 + 2 * 128 * 4
+    assert tpu_time.kernel_kind("splash_mha_fwd_no_residuals_block_kv_dkv_512.1") == "forward"
+    assert tpu_time.kernel_kind("splash_mqa_dkv.3") == "dkv"

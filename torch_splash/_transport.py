@@ -134,6 +134,24 @@ def planned_for_tpu():
         _FOR_TPU.on = before
 
 
+@contextlib.contextmanager
+def recording_plans():
+    """Within it, every attention call planned for TPU appends (plan, with a backward) to the list
+    it yields: what torch_splash.fit estimates the kernel time of."""
+    before = getattr(_FOR_TPU, "plans", None)
+    _FOR_TPU.plans = []
+    try:
+        yield _FOR_TPU.plans
+    finally:
+        _FOR_TPU.plans = before
+
+
+def record(plan, backward: bool) -> None:
+    plans = getattr(_FOR_TPU, "plans", None)
+    if plans is not None and plan.platform == "tpu":
+        plans.append((plan, backward))
+
+
 def platform_of(device: torch.device) -> str:
     """The kernel platform for tensors on `device`: 'cpu' (interpret mode) or 'tpu'."""
     if device.type == "cpu":

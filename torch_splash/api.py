@@ -162,7 +162,9 @@ def _attention(
     traced = torch._subclasses.fake_tensor.is_fake(call.q)  # torch.compile: the graph keeps the number
     plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
+    if backward:
         out, _ = _ops.forward(
             call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs, transport or ""
         )

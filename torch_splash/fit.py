@@ -39,6 +39,7 @@ import torch
 
 from torch_splash_jax import SplashConstraintError, aot, compat, mosaic
 
+from . import _transport
 from ._transport import planned_for_tpu
 
 __all__ = ["Report", "check", "kernel_time", "largest_fitting", "main", "planned_for_tpu"]
@@ -71,6 +72,12 @@ class Report:
     needed: int | None = None  # the compiler's figure when it does not fit
     needed_is_lower_bound: bool = False
     error: str | None = None  # a refusal other than memory, its first lines
+    xla_estimated_cycles: int | None = None  # XLA's own estimate of the step's ops but the kernels
+    # With check(..., estimate_time=True): the attention kernels' estimated time per chip
+    # (torch_splash_jax.tpu_time, docs/tpu_time.md), seconds, over `attention_calls` calls
+    attention_seconds: float | None = None
+    attention_calls: int = 0
+    rest_seconds: float | None = None  # xla_estimated_cycles at the estimator's clock
 
     def __str__(self) -> str:
         gib = 1 << 30
@@ -82,11 +89,19 @@ class Report:
             return (
                 f"{head} does NOT fit: needs {at_least}{self.needed / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM"
             )
-        return (
+        text = (
             f"{head} fits: {self.total / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM per chip "
             f"(arguments {self.arguments / gib:.2f}, outputs {self.outputs / gib:.2f}, "
             f"temporaries {self.temporaries / gib:.2f}, generated code {self.code / gib:.3f} GiB)"
         )
+        if self.attention_seconds is not None:
+            text += (
+                f"\n  attention kernels, {self.attention_calls} call{'s' if self.attention_calls != 1 else ''}: "
+                f"{self.attention_seconds * 1e3:.3f} ms per chip, estimated from the TPU compiler's schedule"
+            )
+            if self.rest_seconds is not None:
+                text += f"; the rest of the step, XLA's own estimate: {self.rest_seconds * 1e3:.3f} ms"
+        return text
 
 
 def parse_topology(topology: str) -> tuple[str, str]:
@@ -277,17 +292,38 @@ def _partitions() -> int:
     return xr.global_runtime_device_count() if xr.is_spmd() else 1
 
 
-def check(step_fn, *args, topology: str = "v5e", **kwargs) -> Report:
+def check(step_fn, *args, topology: str = "v5e", estimate_time: bool = False, **kwargs) -> Report:
     """Build one training step's graph (`step_fn(*args, **kwargs)` on torch_xla CPU-device tensors,
     ending before its boundary), with torch_splash's kernels planned for TPU, and compile it for
-    `topology` with the TPU compiler. The step is not executed."""
+    `topology` with the TPU compiler. The step is not executed. With `estimate_time`, the report
+    also gives the attention kernels' estimated time (`kernel_time` of each call) and XLA's own
+    estimate of the rest of the step."""
     import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
 
     parse_topology(topology)
-    with _building_one_step():
+    with _building_one_step(), _transport.recording_plans() as calls:
         step_fn(*args, **kwargs)
         hlo = compat.pending_hlo_text(_live_pending_tensors())
-    return compile_step_hlo(hlo, topology, _partitions())
+    report = compile_step_hlo(hlo, topology, _partitions())
+    return _with_time(report, calls) if estimate_time else report
+
+
+def _with_time(report: Report, calls: list) -> Report:
+    """The report with the attention kernels' estimated time: one estimate per distinct plan."""
+    from torch_splash_jax import tpu_time
+
+    generation, _ = parse_topology(report.topology)
+    tpu_time.chip(generation)  # an error listing the generations the estimator knows
+    folder = str(libtpu_dir(tpu_time.ESTIMATOR_LIBTPU, "TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR"))
+    seconds, estimates = 0.0, {}
+    for plan, backward in calls:
+        if (plan, backward) not in estimates:
+            estimates[plan, backward] = tpu_time.estimate_in_subprocess(plan, generation, backward, folder)
+        seconds += estimates[plan, backward].kernel_seconds
+    rest = None
+    if report.xla_estimated_cycles is not None:
+        rest = report.xla_estimated_cycles / tpu_time.chip(generation).clock
+    return dataclasses.replace(report, attention_seconds=seconds, attention_calls=len(calls), rest_seconds=rest)
 
 
 def largest_fitting(make_step, lengths, *, topology: str = "v5e") -> tuple[int | None, dict[int, Report]]:
@@ -337,13 +373,13 @@ def _stopping_at_the_first_boundary(graph: list):
             setattr(owner, name, original)
 
 
-def run_script(script: str, script_args: list[str], topology: str) -> Report:
+def run_script(script: str, script_args: list[str], topology: str, estimate_time: bool = False) -> Report:
     """Run a torch_xla training script up to its first step boundary and check that step."""
     import torch_xla  # noqa: F401
 
     parse_topology(topology)
     sys.argv, graph = [script, *script_args], []
-    with _building_one_step(), _stopping_at_the_first_boundary(graph):
+    with _building_one_step(), _stopping_at_the_first_boundary(graph), _transport.recording_plans() as calls:
         try:
             runpy.run_path(script, run_name="__main__")
         except _StepBoundary:
@@ -353,12 +389,16 @@ def run_script(script: str, script_args: list[str], topology: str) -> Report:
             f"{script} ended without a step boundary (torch_xla.sync(), xm.mark_step(), "
             "xm.optimizer_step(...) or a torch_xla.compile'd step): there is no step to check."
         )
-    return compile_step_hlo(graph[0], topology, _partitions())
+    report = compile_step_hlo(graph[0], topology, _partitions())
+    return _with_time(report, calls) if estimate_time else report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_splash.fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", default="v5e", help="v5e, v5e:2x2, v5e:4x4, v6e:2x2, v5p:2x2x1, ...")
+    parser.add_argument(
+        "--time", action="store_true", help="also estimate the attention kernels' time (docs/tpu_time.md)"
+    )
     parser.add_argument("script", nargs="?")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
@@ -366,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the training script to check")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
-        report = run_script(options.script, options.script_args, options.topology)
+        report = run_script(options.script, options.script_args, options.topology, options.time)
     except SplashConstraintError as error:
         print(f"torch_splash.fit: {error}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import pathlib
 import re
 import sys
 
-from . import compat
+from . import compat, schedule
 
 # Without these, libtpu looks for a TPU VM's metadata server and its worker host names, and a
 # second process loading libtpu at the same time (two checks, or a benchmark beside the tests)
@@ -149,6 +149,8 @@ def report(hlo_path: str, topology: str, partitions: int = 1) -> dict:
     return dict(
         chips=partitions,
         fits=True,
+        # XLA's own estimate (its ops' `estimated_cycles`) of the step's ops other than the kernels
+        xla_estimated_cycles=schedule.rest_cycles(memory.schedule()),
         arguments=memory.arguments,
         outputs=memory.outputs,
         temporaries=memory.temp,

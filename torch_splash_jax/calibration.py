@@ -225,12 +225,20 @@ class Calibrated:
 
 
 def calibrate(
-    generation: str, direction: str = "forward", limit: int | None = None, log=None, json_path: str | None = None
+    generation: str,
+    direction: str = "forward",
+    limit: int | None = None,
+    log=None,
+    json_path: str | None = None,
+    only: str | None = None,
 ) -> list[Calibrated]:
-    """Estimate tokamax's kernel at each measured entry: one line per entry through `log` (and all
-    results so far rewritten to `json_path` after each), then the summary."""
+    """Estimate tokamax's kernel at each measured entry (at most `limit`, spread over the cache; or
+    those whose description starts with `only`): one line per entry through `log` (and all results
+    so far rewritten to `json_path` after each), then the summary."""
     log = log or functools.partial(print, flush=True)
     entries = tokamax_entries(generation, direction)
+    if only:
+        entries = [entry for entry in entries if entry.describe().startswith(only)]
     if limit:
         entries = _spread(entries, limit)
     results = []

@@ -12,12 +12,14 @@ the step runs the region's bundles only when its condition holds. `Schedule.loop
 regions in program order with their bundles and unit use; which steps run which region is the
 caller's knowledge of the kernel (`torch_splash_jax.tpu_time`).
 
+Also XLA's own estimate of a compiled program's other ops (`rest_cycles`: their `estimated_cycles`).
 Pure Python and NumPy: nothing here needs JAX or libtpu.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import re
 
@@ -206,3 +208,33 @@ def _utilization(path, count: int) -> tuple[tuple, tuple, np.ndarray]:
     if used.shape != (count, len(names)):
         raise ScheduleError(f"{pathlib.Path(path).name}: {used.shape[0]} rows for {count} bundles")
     return names, capacity, used
+
+
+# XLA's own ops in a compiled program (HLO text), and XLA's own estimate of them
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+_ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|u16|f32|s32|u32)\[([\d,]*)\]")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def array_bytes(text: str) -> int:
+    return sum(
+        _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in _ARRAY.findall(text)
+    )
+
+
+def _entry(hlo_text: str) -> str:
+    entry = hlo_text[hlo_text.find("\nENTRY ") :]
+    return entry[: entry.find("\n}")]
+
+
+def rest_cycles(hlo_text: str) -> int:
+    """XLA's own estimate (`estimated_cycles` in each op's backend config) of the entry
+    computation's ops other than the Mosaic kernels, in cycles."""
+    total = 0
+    for line in _entry(hlo_text).splitlines()[1:]:
+        if "tpu_custom_call" in line:
+            continue
+        found = _CYCLES.search(line)
+        total += int(found[1]) if found else 0
+    return total

@@ -381,37 +381,6 @@ def dkv_work(
 
 
 # ------------------------------------------------------------------------------------------------
-# The rest of a program: XLA's own ops, at XLA's own estimate
-
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
-_ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|u16|f32|s32|u32)\[([\d,]*)\]")
-_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-
-
-def _array_bytes(text: str) -> int:
-    return sum(
-        _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in _ARRAY.findall(text)
-    )
-
-
-def _entry(hlo_text: str) -> str:
-    entry = hlo_text[hlo_text.find("\nENTRY ") :]
-    return entry[: entry.find("\n}")]
-
-
-def rest_cycles(hlo_text: str) -> int:
-    """XLA's own estimate (`estimated_cycles` in each op's backend config) of the entry
-    computation's ops other than the Mosaic kernels, in cycles."""
-    total = 0
-    for line in _entry(hlo_text).splitlines()[1:]:
-        if "tpu_custom_call" in line:
-            continue
-        found = _CYCLES.search(line)
-        total += int(found[1]) if found else 0
-    return total
-
-
-# ------------------------------------------------------------------------------------------------
 # Compiling with libtpu's schedule dumps
 
 DUMP_FLAGS = (
@@ -528,14 +497,14 @@ def program_estimate(
                 dataclasses.replace(sched, name=name), works[kind], generation, kernel_output_bytes(hlo_text, name)
             )
         )
-    rest = rest_cycles(hlo_text) / chip(generation).clock
+    rest = schedule_lib.rest_cycles(hlo_text) / chip(generation).clock
     return Estimate(generation, tuple(kernels), rest, libtpu_release())
 
 
 def kernel_output_bytes(hlo_text: str, name: str) -> int:
     """The bytes of a kernel's results in the compiled HLO (a custom call named `name`)."""
     found = re.search(rf"\n\s*(?:ROOT )?%{re.escape(name)} = ([^\n]*?) custom-call\(", hlo_text)
-    return 0 if found is None else _array_bytes(found[1])
+    return 0 if found is None else schedule_lib.array_bytes(found[1])
 
 
 def kernel_kind(name: str) -> str:
