@@ -217,7 +217,7 @@ def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the
             "",
             "ENTRY %main (q: bf16[2,128]) -> bf16[2,128] {",
             '  %copy.1 = bf16[2,128]{1,0} copy(%q), backend_config={"window_config":{"estimated_cycles":"300"}}',
-            '  %splash_mha_fwd.1 = (bf16[2,128]{1,0}, f32[2,128]{1,0}) custom-call(%copy.1), '
+            "  %splash_mha_fwd.1 = (bf16[2,128]{1,0}, f32[2,128]{1,0}) custom-call(%copy.1), "
             'custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"9999"}',
             '  ROOT %fusion.2 = bf16[2,128]{1,0} fusion(%splash_mha_fwd.1), backend_config={"estimated_cycles":"45"}',
             "}",
