@@ -114,9 +114,10 @@ def _tokamax_program(entry: Entry):
     """(fn, args, works) for one tokamax entry: its op at its config, and its kernels' work."""
     import jax
     import jax.numpy as jnp
-    from tokamax._src.ops.attention import pallas_mosaic_tpu as tk_fwd
-    from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as tk_vjp
-    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as tk_splash
+
+    from . import compat
+
+    tk_fwd, tk_vjp, tk_splash = compat.tokamax_attention_modules()
 
     dtype = jnp.dtype({"bf16": "bfloat16", "f16": "float16", "f32": "float32"}.get(entry.dtype, entry.dtype))
     *batch, q_len, heads, head_dim = entry.q

@@ -44,6 +44,7 @@ CHECKED = {
     "torch_xla": ("2.9.0",),
     "torch-tpu": ("0.2.0",),
     "libtpu": ("0.0.21", "0.0.52"),
+    "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.calibration)
 }
 ALLOW_UNTESTED = "TORCH_SPLASH_ALLOW_UNTESTED"
 
@@ -178,6 +179,15 @@ def mask_info(data_next, mask_next, block_mask, partial_mask_blocks, q_sequence)
         partial_mask_blocks=partial_mask_blocks,
         q_sequence=q_sequence,
     )
+
+
+def tokamax_attention_modules():
+    """tokamax's Mosaic TPU attention op, its vjp op and its splash kernel module (their Config
+    classes take a block configuration as tokamax's caches record it; the public API picks its own)."""
+    from tokamax._src.ops.attention import pallas_mosaic_tpu, pallas_mosaic_tpu_vjp
+    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel
+
+    return pallas_mosaic_tpu, pallas_mosaic_tpu_vjp, splash_attention_kernel
 
 
 def kernel_mask_infos(kernel) -> dict:
