@@ -192,8 +192,8 @@ def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
 
 @pytest.mark.torchtpu
 @needs_libtpu
-def test_an_unmeasured_libtpu_that_writes_no_schedule_is_named(tmp_path):
-    # libtpu's dumps go nowhere when its dump flags are absent: the estimate names the release
+def test_a_libtpu_that_writes_no_schedule_is_an_error_naming_its_release(tmp_path):
+    # without its dump flags libtpu writes no schedule (as a release that dumps none would): the error names it
     p = torch_splash_jax.plan(platform="tpu", q_len=1024, num_q_heads=2, head_dim=128, dtype="bfloat16")
     env = tpu_time.environment(LIBTPU, str(tmp_path))
     env["LIBTPU_INIT_ARGS"] = ""
