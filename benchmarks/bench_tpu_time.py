@@ -53,16 +53,9 @@ QUICK_ENTRY = "fwd bf16[8,2048,16,128] kv[8,2048,16,128] causal blocks"  # one m
 # The search's best candidates (below), estimated beside today's plan in the comparison
 COMPARED = ("2048x1024/512 separate", "2048x1024/512 fused")
 BEFORE = dict(
-    block_q=512,
-    block_kv=512,
-    block_kv_compute=512,
-    block_q_dkv=512,
-    block_kv_dkv=512,
-    block_kv_dkv_compute=512,
-    block_q_dq=512,
-    block_kv_dq=512,
-    use_fused_bwd_kernel=False,
-)
+    block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512,
+    block_q_dq=512, block_kv_dq=512, use_fused_bwd_kernel=False,
+)  # fmt: skip
 
 
 def _libtpu_dir() -> str:
@@ -143,48 +136,25 @@ def _tokamax_row(case: tuple) -> dict | None:
     return None
 
 
+def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -> dict:
+    """BlockSizes fields: forward and dkv (q, kv) blocks, their kv compute block, and the separate dq
+    kernel's (q, kv) blocks, or None for dq fused into dkv."""
+    fields = dict(block_q=forward[0], block_kv=forward[1], block_kv_compute=compute)
+    fields.update(block_q_dkv=dkv[0], block_kv_dkv=dkv[1], block_kv_dkv_compute=compute)
+    if dq is not None:
+        fields.update(block_q_dq=dq[0], block_kv_dq=dq[1])
+    return dict(fields, use_fused_bwd_kernel=dq is None)
+
+
 # The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation)
 CANDIDATES = {
     "512 separate": BEFORE,
-    "512 fused": dict(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, use_fused_bwd_kernel=True),
-    "1024/512 fused": dict(
-        block_q=1024,
-        block_kv=1024,
-        block_kv_compute=512,
-        block_q_dkv=1024,
-        block_kv_dkv=1024,
-        block_kv_dkv_compute=512,
-        use_fused_bwd_kernel=True,
-    ),  # fmt: skip
-    "1024 fused": dict(
-        block_q=1024,
-        block_kv=1024,
-        block_kv_compute=1024,
-        block_q_dkv=1024,
-        block_kv_dkv=1024,
-        block_kv_dkv_compute=1024,
-        use_fused_bwd_kernel=True,
-    ),  # fmt: skip
-    "1024 separate": dict(
-        block_q=1024,
-        block_kv=1024,
-        block_kv_compute=1024,
-        block_q_dkv=1024,
-        block_kv_dkv=1024,
-        block_kv_dkv_compute=1024,
-        block_q_dq=1024,
-        block_kv_dq=1024,
-        use_fused_bwd_kernel=False,
-    ),  # fmt: skip
-    "2048x1024/512 fused": dict(
-        block_q=2048,
-        block_kv=1024,
-        block_kv_compute=512,
-        block_q_dkv=1024,
-        block_kv_dkv=2048,
-        block_kv_dkv_compute=512,
-        use_fused_bwd_kernel=True,
-    ),  # fmt: skip
+    "512 fused": _blocks((512, 512), (512, 512), 512),
+    "1024/512 fused": _blocks((1024, 1024), (1024, 1024), 512),
+    "1024 fused": _blocks((1024, 1024), (1024, 1024), 1024),
+    "1024 separate": _blocks((1024, 1024), (1024, 1024), 1024, dq=(1024, 1024)),
+    "2048x1024/512 fused": _blocks((2048, 1024), (1024, 2048), 512),
+    "2048x1024/512 separate": _blocks((2048, 1024), (1024, 2048), 512, dq=(1024, 2048)),
 }
 SEARCH = [
     (g, length, dim) for g in ("v5e", "v5p", "v6e", "v7x") for length, dim in ((8192, 128), (32768, 128), (16384, 256))

@@ -132,6 +132,12 @@ def _tokamax_program(entry: Entry):
     kwargs = dict(is_causal=entry.causal is not None, logits_scale=entry.scale)
     if entry.causal is not None and (entry.causal.get("offset") or entry.causal.get("window_size")):
         raise ScheduleError(f"{entry.describe()}: causal offsets and windows are not read yet")
+
+    def work(count, block_q, block_kv, **options):  # tokamax's grid: one step per block computed
+        classes = block_classes(allowed, q_len, kv_len, block_q, block_kv)
+        shape = dict(units=units, head_dim=head_dim, head_dim_v=head_dim_v, itemsize=dtype.itemsize, grid="active")
+        return count(classes, block_q=block_q, block_kv=block_kv, **shape, **options)
+
     if entry.direction == "forward":
         config = tk_fwd.Config(**{**entry.config, **layouts})
         op = tk_fwd.PallasMosaicTpuFlashAttention(config=config, bypass_device_check=True)
@@ -139,18 +145,7 @@ def _tokamax_program(entry: Entry):
         def fn(q, k, v):
             return op(q, k, v, return_residuals=entry.residuals, **kwargs)
 
-        classes = block_classes(allowed, q_len, kv_len, config.block_q, config.block_kv)
-        work = forward_work(
-            classes,
-            units=units,
-            block_q=config.block_q,
-            block_kv=config.block_kv,
-            head_dim=head_dim,
-            head_dim_v=head_dim_v,
-            itemsize=dtype.itemsize,
-            grid="active",
-        )
-        return fn, args, {"forward": work}
+        return fn, args, {"forward": work(forward_work, config.block_q, config.block_kv)}
     config = tk_vjp.Config(**entry.config)
     op = tk_fwd.PallasMosaicTpuFlashAttention(
         vjp=tk_vjp.PallasMosaicTpuFlashAttentionVjp(config=config, bypass_device_check=True), bypass_device_check=True
@@ -170,30 +165,14 @@ def _tokamax_program(entry: Entry):
         out, pullback = jax.vjp(lambda q, k, v: op(q, k, v, **kwargs), q, k, v)
         return pullback(out)
 
-    classes = block_classes(allowed, q_len, kv_len, config.block_q_dkv, config.block_kv_dkv)
-    work = dkv_work(
-        classes,
-        units=units,
-        block_q=config.block_q_dkv,
-        block_kv=config.block_kv_dkv,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        itemsize=dtype.itemsize,
-        grid="active",
-        fused=True,
+    return (
+        fn,
+        args,
+        {
+            "dkv": work(dkv_work, config.block_q_dkv, config.block_kv_dkv, fused=True),
+            "forward": work(forward_work, fwd_config.block_q, fwd_config.block_kv),
+        },
     )
-    fwd_classes = block_classes(allowed, q_len, kv_len, fwd_config.block_q, fwd_config.block_kv)
-    fwd = forward_work(
-        fwd_classes,
-        units=units,
-        block_q=fwd_config.block_q,
-        block_kv=fwd_config.block_kv,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        itemsize=dtype.itemsize,
-        grid="active",
-    )
-    return fn, args, {"dkv": work, "forward": fwd}
 
 
 @dataclasses.dataclass(frozen=True)
