@@ -496,12 +496,12 @@ SECTIONS = {
     ),
     "tpu_time": (
         "TPU kernel time, estimated from the TPU compiler's schedule (no TPU), against tokamax's measured times",
-        "An estimate, not a measurement (torch_splash_jax.tpu_time): per kernel, the bundles libtpu scheduled for "
-        "each path through the grid loop times the grid steps that take it, over the clock, plus the bytes it "
-        "moves over the HBM bandwidth, plus a stall per row of the grid fitted per generation. The larger of the "
-        "schedule and the HBM time (a floor, instead of their sum) fitted tokamax's times worse: v5p forward "
-        "within 25% on 82% of the entries before the stall, 95% after; the sum is used. tokamax's times are its "
-        "kernel's alone: at 16K tokens, full mask, v5p, the schedule alone is 5.48 ms against 5.37 measured, "
+        "An estimate, not a measurement (torch_splash_jax.tpu_time, docs/tpu_time.md): per kernel, the bundles libtpu "
+        "scheduled for each path through the grid loop times the grid steps that take it, over the clock (times the "
+        "generation's clock factor), plus the bytes it moves over the HBM bandwidth, plus a stall per row of the grid. "
+        "The sum of schedule and HBM time, not the larger of the two (a floor): before any fitting the floor put 47%, "
+        "40% and 24% of the forward entries within 25% on v5p, v6e and v7x, the sum 83%, 70% and 54%. tokamax's times "
+        "are its kernel's alone: at 16K tokens, full mask, v5p, the schedule alone is 5.48 ms against 5.37 measured, "
         "where XLA's own estimate of the transposes around the kernel would add 0.49 ms.",
         _tpu_time,
     ),

@@ -79,8 +79,8 @@ CHIPS = {
 # clock `Chip.clock` derives from the published peak (v5e: no measured attention entries, so 1);
 # and one stall at the end of every row of a kernel's grid, where its output is written back, the
 # same on every generation.
-CLOCK_FACTOR = {}
-ROW_STALL = 0.0
+CLOCK_FACTOR = {"v5p": 1.0063, "v6e": 0.9993, "v7x": 1.1613}
+ROW_STALL = 0.75e-6
 
 
 def chip(generation: str) -> Chip:
