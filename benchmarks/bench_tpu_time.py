@@ -169,7 +169,7 @@ def search(cases=SEARCH, candidates=None) -> list[dict]:
 
     rows = []
     for generation, length, dim in cases:
-        row = dict(generation=generation, L=length, head_dim=dim, ms={})
+        row = dict(generation=generation, L=length, head_dim=dim, calibrated=bool(tpu_time.CLOCK_FACTOR), ms={})
         for name in candidates or [*CANDIDATES, "planned"]:
             blocks = None if name == "planned" else tsj.BlockSizes(**CANDIDATES[name])
             try:

@@ -410,11 +410,12 @@ def _tpu_time(r: dict) -> str:
             f"| {tk_cell} | {' | '.join(ratios)} |"
         )
     if r.get("search"):
-        names = list(r["search"][0]["ms"])
+        names = list(r["search"][0]["ms"])  # every row runs the same candidates
         lines += [
             "",
             "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan, causal, B=1, 16 heads, "
-            "bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in bench_tpu_time.CANDIDATES).",
+            "bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in bench_tpu_time.CANDIDATES). "
+            f"Estimated {'with' if r['search'][0].get('calibrated', True) else 'before'} the fitted numbers.",
             "",
             "| chip | L | D | " + " | ".join(names) + " | fastest |",
             "|---|---|---|" + "---|" * (len(names) + 1),
