@@ -3,6 +3,7 @@ estimate of real kernels compiled deviceless (the current set's libtpu, the one 
 with). The calibration against tokamax's measured times is `python -m torch_splash_jax.tpu_time
 calibrate` (docs/benchmarks.md); here a few of its entries run as a quick check."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -188,6 +189,41 @@ def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
     fwd = next(k for k in step.kernels if k.kind == "forward")
     assert fwd.flops == 2.0 * 8 * 36 * 512 * 512 * 256
     assert step.rest_seconds >= 0 and step.seconds > forward.seconds
+
+
+MXU_BOUND = """
+import json, sys
+from torch_splash_jax import calibration, tpu_time
+heads, dim = int(sys.argv[3]), int(sys.argv[4])
+shape = (1, 4096, heads, dim)
+config = dict(block_q=2048, block_kv=2048, block_kv_compute=int(sys.argv[2]), q_layout=1, k_layout=2, v_layout=1,
+              use_experimental_scheduler=False, use_base2_exp=True)
+causal = {"offset": 0, "window_size": None}
+entry = calibration.Entry("forward", shape, shape, shape, "bf16", causal, dim ** -0.5, False, config, 0.0)
+fn, args, works = calibration._tokamax_program(entry)
+schedules, hlo = tpu_time.compile_schedules(fn, args, sys.argv[1])
+(kernel,) = tpu_time.program_estimate(schedules, works, hlo, sys.argv[1]).kernels
+print(json.dumps(dict(flops=kernel.flops, matmul_bundles=kernel.matmul_bundles)))
+"""
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+# tokamax's cached configurations; on v6e's 256 x 256 MXUs a contraction of 128 fills half of one
+@pytest.mark.parametrize("generation,compute,heads,dim", [("v5p", 256, 16, 128), ("v6e", 512, 8, 256)])
+def test_an_mxu_bound_kernel_carries_the_chip_s_multiply_adds_per_bundle(generation, compute, heads, dim, tmp_path):
+    """The clock is the published peak over the multiply-adds a fully occupied bundle carries
+    (Chip.macs_per_bundle): tokamax's forward with 2048 x 2048 blocks, MXU-bound, carries that many
+    per bundle of MATMUL slots its steps use (v5p: half the heads on each core)."""
+    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
+    env = tpu_time.environment(LIBTPU, str(tmp_path))
+    command = [sys.executable, "-c", MXU_BOUND, generation, str(compute), str(heads), str(dim)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kernel = json.loads(done.stdout.strip().splitlines()[-1])
+    cores = tpu_time.CHIPS[generation].cores
+    macs = kernel["flops"] / 2 / cores / kernel["matmul_bundles"]
+    assert macs == pytest.approx(tpu_time.CHIPS[generation].macs_per_bundle, rel=0.05)
 
 
 @pytest.mark.torchtpu

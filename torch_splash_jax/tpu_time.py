@@ -64,9 +64,10 @@ class Chip:
         return self.peak_flops / (2 * self.cores * self.macs_per_bundle)
 
 
-# macs_per_bundle: four 128 x 128 MXUs on v5e and v5p; on v6e and v7x libtpu reports two MATMUL
-# slots whose bundles carry 2**18 multiply-adds (measured: tokamax's forward at 16K tokens, MXU-bound
-# blocks, 1.07e9 multiply-adds per 2048 x 2048 block over bundles x MATMUL occupancy; tests check it).
+# macs_per_bundle: four 128 x 128 MXUs on v5e and v5p; on v6e and v7x, two MATMUL slots whose
+# fully occupied bundles carry 2**18 multiply-adds at head_dim 256 and half that at 128 (a contraction
+# of 128 fills half of a 256 x 256 MXU). tests/test_tpu_time.py reads both from tokamax's MXU-bound
+# forward (2048 x 2048 blocks): multiply-adds over the MATMUL slots its steps use.
 CHIPS = {
     "v5e": Chip("v5e", "v5e:2x2", 197e12, 819e9, 1, 4 * 128 * 128),
     "v5p": Chip("v5p", "v5p:2x2x1", 459e12, 2765e9, 2, 4 * 128 * 128),
@@ -126,6 +127,7 @@ class KernelTime:
     steps: int  # grid steps per core
     rows: int  # per core: rows along the reduction axis, each ending in an output write-back
     flops: float
+    matmul_bundles: float  # per core: the MXU slots the steps use, in fully occupied bundles
     output_bytes: int  # its results, as the compiled program lays them out
     mxu_utilization: float  # flops over seconds x peak
     binding_unit: str  # the unit with the highest occupancy on the path the steps run
@@ -247,10 +249,19 @@ def kernel_time(
         steps=units * work.steps,
         rows=units * work.first,
         flops=work.flops,
+        matmul_bundles=_matmul_bundles(schedule, used) * units,
         output_bytes=output_bytes,
         mxu_utilization=work.flops / (seconds * target.peak_flops) if seconds else 0.0,
         binding_unit=_busiest(schedule, used, work, per_unit),
     )
+
+
+def _matmul_bundles(schedule: Schedule, used: np.ndarray) -> float:
+    """One unit's MXU slot use on its regions' paths, in bundles at full MATMUL occupancy."""
+    if schedule.mxu_unit is None:
+        return 0.0
+    index = schedule.unit(schedule.mxu_unit)
+    return float(used[index]) / schedule.capacity[index]
 
 
 def _busiest(schedule: Schedule, used: np.ndarray, work: Work, per_unit: int) -> str:
