@@ -50,8 +50,9 @@ COMPARISON = [
 ]
 QUICK_COMPARISON = [("v5p", "causal", 4096, 8, 8, 128)]
 QUICK_ENTRY = "fwd bf16[8,2048,16,128] kv[8,2048,16,128] causal blocks"  # one measured entry, quick to compile
-# The search's best candidates (below), estimated beside today's plan in the comparison
-COMPARED = ("2048x1024/512 separate", "2048x1024/512 fused")
+# The search's best candidates (below) at each head_dim, separate and fused, estimated beside
+# today's plan in the comparison
+COMPARED = {128: ("2048x1024/512 separate", "2048x1024/512 fused"), 256: ("1024/512 separate", "1024/512 fused")}
 BEFORE = dict(
     block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512,
     block_q_dq=512, block_kv_dq=512, use_fused_bwd_kernel=False,
@@ -85,7 +86,9 @@ def _comparison_row(case: tuple) -> dict:
     generation, mask_name, length, heads, kv_heads, dim = case
     mask, segment_ids = _mask(mask_name, length)
     row = dict(generation=generation, mask=mask_name, L=length, heads=heads, kv_heads=kv_heads, head_dim=dim)
-    for name, blocks in [("today", None)] + [(c, tsj.BlockSizes(**CANDIDATES[c])) for c in COMPARED]:
+    separate, fused = COMPARED[max(dim, 128)]
+    for name, candidate in (("today", None), ("separate", separate), ("fused", fused)):
+        blocks = None if candidate is None else tsj.BlockSizes(**CANDIDATES[candidate])
         plan = tsj.plan(
             q_len=length,
             num_q_heads=heads,
@@ -97,9 +100,9 @@ def _comparison_row(case: tuple) -> dict:
             platform="tpu",
             block_sizes=blocks,
         )
-        row[name] = dict(blocks=plan.block_sizes())
+        row[name] = dict(candidate=candidate, blocks=plan.block_sizes())
         # the fused candidate's forward kernel is the separate one's (the same forward blocks)
-        for direction, backward in (("forward", False), ("step", True))[name.endswith(" fused") :]:
+        for direction, backward in (("forward", False), ("step", True))[name == "fused" :]:
             try:
                 estimate = tpu_time.splash_estimate(plan, generation, backward=backward)
             except Exception as error:  # a refusal is a result
@@ -153,6 +156,7 @@ CANDIDATES = {
     "1024/512 fused": _blocks((1024, 1024), (1024, 1024), 512),
     "1024 fused": _blocks((1024, 1024), (1024, 1024), 1024),
     "1024 separate": _blocks((1024, 1024), (1024, 1024), 1024, dq=(1024, 1024)),
+    "1024/512 separate": _blocks((1024, 1024), (1024, 1024), 512, dq=(1024, 1024)),
     "2048x1024/512 fused": _blocks((2048, 1024), (1024, 2048), 512),
     "2048x1024/512 separate": _blocks((2048, 1024), (1024, 2048), 512, dq=(1024, 2048)),
 }
@@ -203,6 +207,18 @@ def calibrations(quick: bool, saved: pathlib.Path | None) -> dict:
 PARTS = ("calibration", "comparison", "search")
 
 
+def _rows(cases, saved: pathlib.Path | None) -> list[dict]:
+    """The comparison's rows, each kept in `saved` as it is made (a long run can be resumed)."""
+    path = saved / "comparison-rows.json" if saved else None
+    rows = json.loads(path.read_text()) if path is not None and path.is_file() else []
+    for case in cases[len(rows) :]:
+        rows.append(_comparison_row(case))
+        print(json.dumps(rows[-1]), flush=True)
+        if path is not None:
+            path.write_text(json.dumps(rows))
+    return rows
+
+
 def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
     """In a process started with libtpu's dump flags: the parts this benchmark measures; each part
     found in `saved` (as a run of this benchmark left it there) is taken from it, each other part
@@ -232,7 +248,7 @@ def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
         print(f"fitted: ROW_STALL = {stall:.4g}, CLOCK_FACTOR = {factors}", flush=True)
     if "comparison" in parts:
         cases = QUICK_COMPARISON if quick else COMPARISON
-        results["comparison"] = part("comparison", lambda: [_comparison_row(case) for case in cases])
+        results["comparison"] = part("comparison", lambda: _rows(cases, saved))
     if "search" in parts:
         quick_search = lambda: search(SEARCH[:1], candidates=("512 separate", "2048x1024/512 fused"))  # noqa: E731
         results["search"] = part("search", quick_search if quick else search)
