@@ -372,8 +372,8 @@ def _tpu_time(r: dict) -> str:
         "Side by side, one device, B=1, bf16: estimated kernel time per call in ms (MXU: useful flops over that time "
         "at the chip's peak). today: torch_splash's TPU plan (512 blocks, separate dq and dkv kernels), which are "
         "also MaxText's defaults for JAX's splash; sep. and fused: the search's best candidates below, not yet the "
-        "plan (head_dim 128: forward 2048 x 1024 blocks, compute 512; dkv 1024 x 2048; dq 1024 x 2048 or fused into dkv; "
-        "head_dim 256: 1024 x 1024 blocks, compute 512); "
+        "plan (head_dim 128: forward 2048 x 1024 blocks, compute 512; dkv 1024 x 2048; dq 1024 x 2048 or fused into "
+        "dkv; head_dim 256: 1024 x 1024 blocks, compute 512); "
         "tokamax: its kernel at its cached winning configuration, forward, with its measured time in brackets. "
         "A refused entry names its refusal (the fused backward's dq buffer grows with L^2 / block).",
         "",
