@@ -109,7 +109,7 @@ def _command(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    command = [sys.executable, "-m", "torch_splash.fit", "--topology", "v5e:2x2", str(script), "1024"]
+    command = [sys.executable, "-m", "torch_splash.fit", "--topology", "v5e:2x2", "--time", str(script), "1024"]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
 
 
@@ -117,6 +117,7 @@ def test_the_command_checks_an_unmodified_script_at_its_first_step_boundary(tmp_
     done = _command(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch_splash.fit: v5e:2x2, 1 chip: fits:" in done.stdout, done.stdout
+    assert "attention kernels, 1 call: " in done.stdout and "XLA's own estimate" in done.stdout, done.stdout
 
 
 def test_the_command_reports_a_script_without_a_step(tmp_path):
