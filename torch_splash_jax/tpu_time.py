@@ -653,7 +653,9 @@ def splash_estimate(plan, generation: str, backward: bool = True) -> Estimate:
 
 
 def _libtpu_dir() -> str | None:
-    return os.environ.get("TORCH_SPLASH_LIBTPU_DIR") or None
+    """The folder of the estimator's libtpu: $TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR, else
+    $TORCH_SPLASH_LIBTPU_DIR, else None (the installed `libtpu` package, as in the current set)."""
+    return os.environ.get("TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR") or os.environ.get("TORCH_SPLASH_LIBTPU_DIR") or None
 
 
 def estimate_json(estimate: Estimate) -> dict:
