@@ -210,7 +210,10 @@ print(json.dumps(dict(flops=kernel.flops, matmul_bundles=kernel.matmul_bundles))
 @pytest.mark.torchtpu
 @needs_libtpu
 # tokamax's cached configurations; on v6e's 256 x 256 MXUs a contraction of 128 fills half of one
-@pytest.mark.parametrize("generation,compute,heads,dim", [("v5p", 256, 16, 128), ("v6e", 512, 8, 256)])
+@pytest.mark.parametrize(
+    "generation,compute,heads,dim",
+    [("v5p", 256, 16, 128), pytest.param("v6e", 512, 8, 256, marks=pytest.mark.slow)],  # v6e's: 2 minutes
+)
 def test_an_mxu_bound_kernel_carries_the_chip_s_multiply_adds_per_bundle(generation, compute, heads, dim, tmp_path):
     """The clock is the published peak over the multiply-adds a fully occupied bundle carries
     (Chip.macs_per_bundle): tokamax's forward with 2048 x 2048 blocks, MXU-bound, carries that many
