@@ -16,7 +16,7 @@ leaves out); only tokamax's "measured" column was measured, on real chips, by to
    backward), causal, 16 heads, 8K and 32K tokens at head_dim 128 and 16K at 256.
 
     ./dev.sh bench-tpu-time            # all three (about 270 + 140 + 100 compiles: hours on 2 cores)
-    ./dev.sh bench-tpu-time --quick    # one calibration entry, one comparison row, two candidates
+    ./dev.sh bench-tpu-time --quick    # one calibration entry, one comparison row, one candidate searched
     ./dev.sh bench-tpu-time --parts search --saved DIR   # one part, saved in DIR for a later run
 
 Writes benchmarks/results/tpu_time.json (or tpu_time_quick.json). Runs in the current set
@@ -79,7 +79,7 @@ def _mask(name: str, length: int):
     return tsj.CausalMask() & tsj.LocalMask(int(name.split()[1]) - 1, 0), False
 
 
-def _comparison_row(case: tuple) -> dict:
+def _comparison_row(case: tuple, names=("today", "separate", "fused")) -> dict:
     import torch_splash_jax as tsj
     from torch_splash_jax import tpu_time
 
@@ -87,7 +87,9 @@ def _comparison_row(case: tuple) -> dict:
     mask, segment_ids = _mask(mask_name, length)
     row = dict(generation=generation, mask=mask_name, L=length, heads=heads, kv_heads=kv_heads, head_dim=dim)
     separate, fused = COMPARED[max(dim, 128)]
-    for name, candidate in (("today", None), ("separate", separate), ("fused", fused)):
+    for name, candidate in [
+        (n, c) for n, c in (("today", None), ("separate", separate), ("fused", fused)) if n in names
+    ]:
         blocks = None if candidate is None else tsj.BlockSizes(**CANDIDATES[candidate])
         plan = tsj.plan(
             q_len=length,
@@ -247,10 +249,12 @@ def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
         results["fitted"] = dict(row_stall_us=stall * 1e6, clock_factor=factors)
         print(f"fitted: ROW_STALL = {stall:.4g}, CLOCK_FACTOR = {factors}", flush=True)
     if "comparison" in parts:
-        cases = QUICK_COMPARISON if quick else COMPARISON
-        results["comparison"] = part("comparison", lambda: _rows(cases, saved))
+        if quick:  # today's plan and the fused candidate: the smoke run the tests make
+            results["comparison"] = [_comparison_row(case, ("today", "fused")) for case in QUICK_COMPARISON]
+        else:
+            results["comparison"] = part("comparison", lambda: _rows(COMPARISON, saved))
     if "search" in parts:
-        quick_search = lambda: search(SEARCH[:1], candidates=("512 separate", "2048x1024/512 fused"))  # noqa: E731
+        quick_search = lambda: search([("v5p", 4096, 128)], candidates=("1024/512 fused",))  # noqa: E731
         results["search"] = part("search", quick_search if quick else search)
     return results
 
