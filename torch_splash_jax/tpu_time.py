@@ -479,7 +479,7 @@ def compile_schedules(fn, args: tuple, generation: str) -> tuple[dict[str, Sched
     if not kernels and "tpu_custom_call" in hlo_text:
         raise ScheduleError(
             f"libtpu {libtpu_release()} wrote no kernel schedule for {generation}: the estimator reads the dumps "
-            f"of libtpu {', '.join(MEASURED_LIBTPU)} (--xla_jf_dump_llo_text)."
+            f"of libtpu {ESTIMATOR_LIBTPU} (--xla_jf_dump_llo_text)."
         )
     schedules = {name: schedule_lib.read(*paths) for name, paths in kernels.items()}
     for path in scratch.iterdir():
@@ -490,14 +490,13 @@ def compile_schedules(fn, args: tuple, generation: str) -> tuple[dict[str, Sched
 
 # The libtpu whose schedules the estimator reads and was calibrated with (the current set's).
 ESTIMATOR_LIBTPU = "0.0.52"
-MEASURED_LIBTPU = (ESTIMATOR_LIBTPU,)
 
 
 def program_estimate(
     schedules: dict[str, Schedule], works: dict[str, Work], hlo_text: str, generation: str
 ) -> Estimate:
     """Each kernel's estimate with its work (`works`: {kernel kind: Work}, matched to the kernel
-    names' fwd / dq / dkv), and the rest of the program at its HBM bytes."""
+    names' fwd / dq / dkv), and the rest of the program at XLA's own estimate."""
     kernels = []
     for name, sched in sorted(schedules.items()):
         kind = kernel_kind(name)
