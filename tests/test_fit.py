@@ -51,8 +51,9 @@ def test_a_small_step_fits_with_its_hbm_figures():
 
 
 def test_the_step_s_attention_time_is_estimated_beside_its_hbm():
-    """check(..., estimate_time=True): the attention kernels' estimated time (forward, dq and dkv of
-    the one call in the step, from libtpu 0.0.52's schedule) and XLA's own estimate of the rest."""
+    """check(..., estimate_time=True): the attention kernels' estimated time (the forward and
+    backward kernels of the one call in the step, from libtpu 0.0.52's schedule) and XLA's own
+    estimate of the rest."""
     report = fit.check(*_step(splash, 2048, dtype=torch.bfloat16), topology="v5e", estimate_time=True)
     assert report.fits and report.attention_calls == 1, report
     q = torch.empty(1, 4, 2048, 64, dtype=torch.bfloat16, device="meta")

@@ -44,10 +44,14 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
         q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
     except torch_splash_jax.SplashConstraintError as refused:
         # only on TPU: explicit blocks too large for VMEM, or too small for the tables to fit SMEM
-        assert platform == "tpu" and ("do not fit the TPU's VMEM" in str(refused) or "SMEM holds" in str(refused))
+        assert platform == "tpu" and ("the TPU's VMEM" in str(refused) or "SMEM holds" in str(refused))
         return
     b = dict(blocks)
     if platform == "tpu":
+        if b["use_fused_bwd_kernel"]:  # the fused dkv kernel also holds dq for a compute block
+            assert b["block_q_dkv"] * b["block_kv_dkv_compute"] * max(head_dim, LANES) <= VMEM_BUDGET // 2
+            if user.use_fused_bwd_kernel is None:  # planned fused: its dq buffer stays at most 8 q's
+                assert kv_pad // b["block_kv_dkv"] <= 8
         for q_name, kv_name in (
             ("block_q", "block_kv"),
             ("block_q_dkv", "block_kv_dkv"),
@@ -104,9 +108,60 @@ def test_tpu_blocks_that_do_not_fit_vmem_are_refused_or_planned_around():
     plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q=2048, block_kv=1024), "tpu", 128)
     plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(block_q=2048, block_kv=2048), "cpu", 128)
     # planned blocks shrink for very large head dims
-    blocks = dict(plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(), "tpu", 2048)[2])
-    for q_name, kv_name in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
-        assert blocks[q_name] * blocks[kv_name] * 2048 <= 1 << 28
+    for fused in (True, False):
+        user = torch_splash_jax.BlockSizes(use_fused_bwd_kernel=fused)
+        blocks = dict(plan_blocks(4096, 4096, user, "tpu", 2048)[2])
+        for q_name, kv_name in (
+            ("block_q", "block_kv"),
+            ("block_q_dq", "block_kv_dq"),
+            ("block_q_dkv", "block_kv_dkv"),
+        ):
+            if q_name in blocks:
+                assert blocks[q_name] * blocks[kv_name] * 2048 <= 1 << 28
+        if fused:
+            assert blocks["block_q_dkv"] * blocks["block_kv_dkv_compute"] * 2048 <= 1 << 27
+
+
+def test_the_fused_backward_s_compute_block_fits_vmem():
+    """JAX's fused dkv kernel holds dq too: 1024 x 1024 blocks at head_dim 256 compiled for v5e and
+    v5p with kv compute blocks of 512 and were refused with 1024 (tests/test_tpu_compile.py)."""
+    fused = dict(block_q_dkv=1024, block_kv_dkv=1024, use_fused_bwd_kernel=True)
+    blocks = dict(plan_blocks(4096, 4096, torch_splash_jax.BlockSizes(**fused), "tpu", 256)[2])
+    assert blocks["block_kv_dkv_compute"] == 512
+    explicit = torch_splash_jax.BlockSizes(**fused, block_kv_dkv_compute=1024)
+    with pytest.raises(
+        torch_splash_jax.SplashConstraintError,
+        match=r"block_q_dkv=1024, block_sizes.block_kv_dkv_compute=1024 with the fused backward",
+    ):
+        plan_blocks(4096, 4096, explicit, "tpu", 256)
+    separate = torch_splash_jax.BlockSizes(**dict(fused, use_fused_bwd_kernel=False), block_kv_dkv_compute=1024)
+    assert dict(plan_blocks(4096, 4096, separate, "tpu", 256)[2])["block_kv_dkv_compute"] == 1024
+
+
+@pytest.mark.parametrize(
+    "length,head_dim,dkv,fused",
+    [
+        (16384, 128, (1024, 2048), True),
+        (32768, 128, (512, 4096), True),  # the same VMEM, its dq buffer kept to 8 q's
+        (65536, 128, (1024, 2048), False),
+        (8192, 256, (1024, 1024), True),
+        (16384, 256, (1024, 1024), False),
+    ],
+)
+def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length, head_dim, dkv, fused):
+    """JAX's fused backward keeps a dq per kv block of the dkv kernel (at 128K tokens, 16 heads,
+    2048-token kv blocks: 32 GiB); the plan fuses while that is at most 8 q's, else runs the dq
+    kernel, and an explicit choice is the caller's."""
+    q_pad, kv_pad, blocks = plan_blocks(length, length, torch_splash_jax.BlockSizes(), "tpu", head_dim)
+    blocks = dict(blocks)
+    assert (blocks["block_q_dkv"], blocks["block_kv_dkv"]) == dkv
+    assert blocks["use_fused_bwd_kernel"] is fused
+    assert ("block_q_dq" in blocks) is not fused
+    assert (blocks["block_q"], blocks["block_kv"]) == ((2048, 1024) if head_dim == 128 else (1024, 1024))
+    explicit = dict(
+        plan_blocks(length, length, torch_splash_jax.BlockSizes(use_fused_bwd_kernel=True), "tpu", head_dim)[2]
+    )
+    assert explicit["use_fused_bwd_kernel"] is True
 
 
 def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
@@ -116,10 +171,13 @@ def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
             for q, kv in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv"))
         ]
 
-    assert dict(plan_blocks(262144, 262144, torch_splash_jax.BlockSizes(), "tpu", 128)[2])["block_q"] == 512
+    assert dict(plan_blocks(262144, 262144, torch_splash_jax.BlockSizes(), "tpu", 128)[2])["block_q"] == 2048
     for length, heads in ((393216, 1), (524288, 1), (131072, 16)):
         blocks = dict(plan_blocks(length, length, torch_splash_jax.BlockSizes(), "tpu", 128, heads)[2])
         assert max(entries(length, blocks, heads)) <= SMEM_TABLE_ENTRIES
+    # an explicit small q block: its kv block grows until the forward's table fits (compiled in test_tpu_compile)
+    grown = dict(plan_blocks(393216, 393216, torch_splash_jax.BlockSizes(block_q=256), "tpu", 128)[2])
+    assert (grown["block_q"], grown["block_kv"]) == (256, 4096)
     with pytest.raises(torch_splash_jax.SplashConstraintError, match=r"Lq=1048576, Lkv=1048576 .* SMEM"):
         plan_blocks(1 << 20, 1 << 20, torch_splash_jax.BlockSizes(), "tpu", 128)
     with pytest.raises(
@@ -128,11 +186,12 @@ def test_tpu_block_tables_that_do_not_fit_smem_grow_the_blocks_or_are_refused():
         plan_blocks(393216, 393216, torch_splash_jax.BlockSizes(block_q=512, block_kv=512), "tpu", 128)
 
 
-def test_stored_mask_tables_keep_to_the_smem_that_compiled():
+def test_stored_mask_tables_keep_to_the_smem_and_vmem_that_compiled():
     """Masks read from stored partial blocks add a third table (mask_next): a per-head step planned
     to 2**18 entries (16 heads at 128K) was refused by the TPU compiler for SMEM, so stored tables
     keep to 3/5 of the entries. One v5e chip then cannot hold 16 per-head tables at 128K (the error
-    says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can."""
+    says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can. The
+    dq kernel of a stored mask also keeps to half the VMEM budget (1024 x 2048 overran it at 128K)."""
     from torch_splash_jax.plan import SMEM_STORED_TABLE_ENTRIES
 
     per_head = torch_splash_jax.MultiHeadMask([torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 8)
@@ -148,3 +207,8 @@ def test_stored_mask_tables_keep_to_the_smem_that_compiled():
     blocks = sharded.block_sizes()
     for q, kv in (("block_q", "block_kv"), ("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
         assert 16 * (sharded.q_len_padded // blocks[q]) * (131072 // blocks[kv]) <= SMEM_STORED_TABLE_ENTRIES
+    four_heads = torch_splash_jax.MultiHeadMask(
+        [torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 2
+    )
+    blocks = torch_splash_jax.plan(mask=four_heads, **dict(common, num_q_heads=4, num_kv_heads=2)).block_sizes()
+    assert blocks["block_q_dq"] * blocks["block_kv_dq"] * 128 <= VMEM_BUDGET // 2
