@@ -5,17 +5,18 @@ leaves out); only tokamax's "measured" column was measured, on real chips, by to
 
 1. Calibration: `torch_splash_jax.calibration` at every measured entry of tokamax's caches,
    forward on v5p, v6e and v7x and backward (fused dkv) on v7x: the error without and with the
-   one number fitted per generation (the stall per row).
-2. Comparison, forward and forward+backward per call, one device: torch_splash as it plans for
-   TPU today (512 blocks, separate dq and dkv kernels: MaxText's defaults for JAX's splash, so
-   also JAX's splash called with them), the search's best candidates (below), and tokamax at its
-   cached winning configuration where its cache measured the shape (forward). Document masks
-   (segment ids) are not a row: their block tables are the causal ones (ids are data, no block
-   can be skipped for them when planning), so their kernels' steps are the causal rows'.
+   numbers fitted (a stall per row, and a clock factor per generation).
+2. Comparison, one device, per call of a training step (the forward with residuals, then the
+   backward): JAX's splash at MaxText's defaults (512 blocks, separate dq and dkv kernels; also
+   torch_splash's TPU plan before the search below chose it), torch_splash's plan, and tokamax's
+   forward at the configuration its cache measured (for other lengths: the one it measured for
+   the nearest length), for causal, full, GQA, head_dim 256, document (causal with segment ids)
+   and sliding-window masks, 4K to 128K tokens, on v5e, v5p, v6e and v7x.
 3. Search: forward+backward of candidate TPU plans (blocks, compute blocks, fused or separate
-   backward), causal, 16 heads, 8K and 32K tokens at head_dim 128 and 16K at 256.
+   backward) and of the plan, causal, 16 heads, 8K and 32K tokens at head_dim 128 and 16K at 256:
+   what torch_splash_jax.plan's TPU table was chosen from.
 
-    ./dev.sh bench-tpu-time            # all three (about 270 + 140 + 100 compiles: hours on 2 cores)
+    ./dev.sh bench-tpu-time            # all three (about 270 + 90 + 90 compiles: hours on 2 cores)
     ./dev.sh bench-tpu-time --quick    # one calibration entry, one comparison row, one candidate searched
     ./dev.sh bench-tpu-time --parts search --saved DIR   # one part, saved in DIR for a later run
 
@@ -24,7 +25,9 @@ Writes benchmarks/results/tpu_time.json (or tpu_time_quick.json). Runs in the cu
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -35,28 +38,34 @@ import report  # benchmarks/report.py: results files and their tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALIBRATIONS = [("v5p", "forward"), ("v6e", "forward"), ("v7x", "forward"), ("v7x", "backward")]
+GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
 # (generation, mask, L, q heads, kv heads, head_dim): B=1, bf16. tokamax measured the 16K rows of
-# 16/16 and 8/8 heads (causal and full) on v5p, v6e and v7x. (v5e and v6e, 4K and 128K: not yet run.)
+# 16/16 and 8/8 heads (causal and full) on v5p, v6e and v7x; v5e has no tokamax cache.
 COMPARISON = [
     (generation, mask, length, heads, kv_heads, dim)
-    for generation in ("v5p", "v7x")
+    for generation in GENERATIONS
     for mask, length, heads, kv_heads, dim in (
         ("causal", 16384, 16, 16, 128),
         ("full", 16384, 16, 16, 128),
         ("causal", 16384, 8, 8, 256),
         ("causal", 16384, 32, 8, 128),
+        ("document", 16384, 16, 16, 128),
         ("window 4096", 32768, 16, 16, 128),
     )
-]
+] + [(generation, "causal", length, 16, 16, 128) for generation in ("v5p", "v7x") for length in (4096, 131072)]
 QUICK_COMPARISON = [("v5p", "causal", 4096, 8, 8, 128)]
 QUICK_ENTRY = "fwd bf16[8,2048,16,128] kv[8,2048,16,128] causal blocks"  # one measured entry, quick to compile
-# The search's best candidates (below) at each head_dim, separate and fused, estimated beside
-# today's plan in the comparison
-COMPARED = {128: ("2048x1024/512 separate", "2048x1024/512 fused"), 256: ("1024/512 separate", "1024/512 fused")}
-BEFORE = dict(
-    block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512,
-    block_q_dq=512, block_kv_dq=512, use_fused_bwd_kernel=False,
-)  # fmt: skip
+MAXTEXT = dict(
+    block_q=512,
+    block_kv=512,
+    block_kv_compute=512,
+    block_q_dkv=512,
+    block_kv_dkv=512,
+    block_kv_dkv_compute=512,
+    block_q_dq=512,
+    block_kv_dq=512,
+    use_fused_bwd_kernel=False,
+)  # fmt: skip  MaxText's defaults for JAX's splash, and torch_splash's TPU plan before the search chose it
 
 
 def _libtpu_dir() -> str:
@@ -76,21 +85,21 @@ def _mask(name: str, length: int):
         return tsj.CausalMask(), False
     if name == "full":
         return tsj.FullMask(), False
+    if name == "document":  # packed documents: causal, with segment ids (data: no block is skipped for them)
+        return tsj.CausalMask(), True
     return tsj.CausalMask() & tsj.LocalMask(int(name.split()[1]) - 1, 0), False
 
 
-def _comparison_row(case: tuple, names=("today", "separate", "fused")) -> dict:
+def _comparison_row(case: tuple, names=("maxtext", "planned")) -> dict:
+    """One row: the training step's kernels (forward with residuals, then the backward) estimated
+    for JAX's splash at MaxText's defaults and for torch_splash's plan, and tokamax's forward."""
     import torch_splash_jax as tsj
     from torch_splash_jax import tpu_time
 
     generation, mask_name, length, heads, kv_heads, dim = case
     mask, segment_ids = _mask(mask_name, length)
     row = dict(generation=generation, mask=mask_name, L=length, heads=heads, kv_heads=kv_heads, head_dim=dim)
-    separate, fused = COMPARED[max(dim, 128)]
-    for name, candidate in [
-        (n, c) for n, c in (("today", None), ("separate", separate), ("fused", fused)) if n in names
-    ]:
-        blocks = None if candidate is None else tsj.BlockSizes(**CANDIDATES[candidate])
+    for name in names:
         plan = tsj.plan(
             q_len=length,
             num_q_heads=heads,
@@ -100,45 +109,61 @@ def _comparison_row(case: tuple, names=("today", "separate", "fused")) -> dict:
             mask=mask,
             has_segment_ids=segment_ids,
             platform="tpu",
-            block_sizes=blocks,
+            block_sizes=tsj.BlockSizes(**MAXTEXT) if name == "maxtext" else None,
         )
-        row[name] = dict(candidate=candidate, blocks=plan.block_sizes())
-        # the fused candidate's forward kernel is the separate one's (the same forward blocks)
-        for direction, backward in (("forward", False), ("step", True))[name == "fused" :]:
-            try:
-                estimate = tpu_time.splash_estimate(plan, generation, backward=backward)
-            except Exception as error:  # a refusal is a result
-                row[name][direction] = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-                continue
-            row[name][direction] = dict(
-                kernel_ms=estimate.kernel_seconds * 1e3,
-                rest_ms=estimate.rest_seconds * 1e3,
-                mxu=estimate.mxu_utilization,
-                binding=estimate.binding_unit,
-                kernels={k.kind: round(k.seconds * 1e3, 4) for k in estimate.kernels},
-                libtpu=estimate.libtpu,
-            )
+        row[name] = dict(blocks=plan.block_sizes())
+        try:
+            estimate = tpu_time.splash_estimate(plan, generation, backward=True)
+        except Exception as error:  # a refusal is a result
+            row[name]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            continue
+        forward = [k for k in estimate.kernels if k.kind == "forward"]
+        row[name].update(
+            step_ms=estimate.kernel_seconds * 1e3,
+            forward_ms=sum(k.seconds for k in forward) * 1e3,
+            step_mxu=estimate.mxu_utilization,
+            forward_mxu=forward[0].mxu_utilization,
+            binding={k.kind: k.binding_unit for k in estimate.kernels},
+            kernels={k.kind: round(k.seconds * 1e3, 4) for k in estimate.kernels},
+            libtpu=estimate.libtpu,
+        )
     row["tokamax"] = _tokamax_row(case)
     return row
 
 
 def _tokamax_row(case: tuple) -> dict | None:
-    """tokamax's kernel at its cached winning configuration for this shape, if its cache measured it."""
+    """tokamax's forward (with residuals, as a training step runs it) for this shape: at the
+    configuration its cache measured for it, else at the one it measured for the nearest length
+    of the same heads, head_dim and mask (no measured time then). None where tokamax has no cache
+    (v5e) or the estimator does not read its mask (windows, segment ids)."""
     from torch_splash_jax import calibration, tpu_time
 
     generation, mask_name, length, heads, kv_heads, dim = case
     if generation not in calibration.TOKAMAX_CHIPS or mask_name not in ("causal", "full"):
         return None
-    for entry in calibration.tokamax_entries(generation):
-        same = entry.q == (1, length, heads, dim) and entry.k == (1, length, kv_heads, dim)
-        if same and (entry.causal is not None) == (mask_name == "causal") and not entry.residuals:
-            fn, args, works = calibration._tokamax_program(entry)
-            schedules, hlo = tpu_time.compile_schedules(fn, args, generation)
-            result = calibration.Calibrated(entry, tpu_time.program_estimate(schedules, works, hlo, generation))
-            blocks = "/".join(str(entry.config[k]) for k in ("block_q", "block_kv", "block_kv_compute"))
-            estimate = result.seconds(tpu_time.CLOCK_FACTOR.get(generation, 1.0), tpu_time.ROW_STALL)
-            return dict(blocks=blocks, forward_ms=estimate * 1e3, measured_ms=entry.measured_ms)
-    return None
+    similar = [
+        e
+        for e in calibration.tokamax_entries(generation)
+        if e.q[0] == 1 and e.q[2:] == (heads, dim) and e.k[2] == kv_heads and e.residuals
+        and (e.causal is not None) == (mask_name == "causal") and e.q[1] == e.k[1]
+        and not (e.causal or {}).get("window_size") and not (e.causal or {}).get("offset")
+    ]  # fmt: skip
+    if not similar:
+        return None
+    nearest = min(similar, key=lambda e: abs(math.log2(e.q[1] / length)))
+    entry = dataclasses.replace(
+        nearest,
+        q=(1, length, heads, dim),
+        k=(1, length, kv_heads, dim),
+        v=(1, length, kv_heads, dim),
+        measured_ms=nearest.measured_ms if nearest.q[1] == length else None,
+    )
+    fn, args, works = calibration._tokamax_program(entry)
+    schedules, hlo = tpu_time.compile_schedules(fn, args, generation)
+    result = calibration.Calibrated(entry, tpu_time.program_estimate(schedules, works, hlo, generation))
+    blocks = "/".join(str(entry.config[k]) for k in ("block_q", "block_kv", "block_kv_compute"))
+    forward_ms = result.seconds(tpu_time.CLOCK_FACTOR.get(generation, 1.0), tpu_time.ROW_STALL) * 1e3
+    return dict(blocks=blocks, forward_ms=forward_ms, measured_ms=entry.measured_ms, cached_at=nearest.q[1])
 
 
 def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -> dict:
@@ -151,41 +176,52 @@ def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -
     return dict(fields, use_fused_bwd_kernel=dq is None)
 
 
-# The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation)
+# The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation);
+# the plan (torch_splash_jax.plan._TARGETS) takes the fastest whose fused dq buffer stays at most 8 q's
 CANDIDATES = {
-    "512 separate": BEFORE,
+    "512 separate (MaxText)": MAXTEXT,
     "512 fused": _blocks((512, 512), (512, 512), 512),
     "1024/512 fused": _blocks((1024, 1024), (1024, 1024), 512),
-    "1024 fused": _blocks((1024, 1024), (1024, 1024), 1024),
-    "1024 separate": _blocks((1024, 1024), (1024, 1024), 1024, dq=(1024, 1024)),
     "1024/512 separate": _blocks((1024, 1024), (1024, 1024), 512, dq=(1024, 1024)),
     "2048x1024/512 fused": _blocks((2048, 1024), (1024, 2048), 512),
+    "2048x1024/512 fused, dkv 512x4096": _blocks((2048, 1024), (512, 4096), 512),
     "2048x1024/512 separate": _blocks((2048, 1024), (1024, 2048), 512, dq=(1024, 2048)),
 }
-SEARCH = [
-    (g, length, dim) for g in ("v5e", "v5p", "v6e", "v7x") for length, dim in ((8192, 128), (32768, 128), (16384, 256))
-]
+SEARCH = [(g, length, dim) for g in GENERATIONS for length, dim in ((8192, 128), (32768, 128), (16384, 256))]
 
 
 def search(cases=SEARCH, candidates=None) -> list[dict]:
-    """The estimated forward+backward kernel time of each candidate plan ("planned": torch_splash's
-    own), causal, B=1, 16 heads."""
+    """The estimated forward+backward kernel time (ms) of each candidate plan and of torch_splash's
+    own ("planned"), causal, B=1, 16 heads; with each fused candidate's dq buffer in q's."""
     import torch_splash_jax as tsj
     from torch_splash_jax import tpu_time
 
     rows = []
     for generation, length, dim in cases:
         row = dict(generation=generation, L=length, head_dim=dim, calibrated=bool(tpu_time.CLOCK_FACTOR), ms={})
-        for name in candidates or [*CANDIDATES, "planned"]:
+        row["dq_buffer"], row["planned_as"] = {}, None
+        for name in [*(candidates or CANDIDATES), "planned"]:
             blocks = None if name == "planned" else tsj.BlockSizes(**CANDIDATES[name])
             try:
                 plan = tsj.plan(q_len=length, num_q_heads=16, head_dim=dim, dtype="bfloat16", mask=tsj.CausalMask(),
                                 platform="tpu", block_sizes=blocks)  # fmt: skip
+            except Exception as error:  # refused by the planner (VMEM, SMEM): not a candidate here
+                row["ms"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                continue
+            planned = plan.block_sizes()
+            if planned["use_fused_bwd_kernel"]:
+                row["dq_buffer"][name] = plan.kv_len_padded // planned["block_kv_dkv"]
+            same = [n for n in row["ms"] if n != name and row.get("blocks", {}).get(n) == planned]
+            row.setdefault("blocks", {})[name] = planned
+            if name == "planned" and same:  # the plan is one of the candidates: the same program
+                row["planned_as"], row["ms"][name] = same[0], row["ms"][same[0]]
+                continue
+            try:
                 row["ms"][name] = tpu_time.splash_estimate(plan, generation, backward=True).kernel_seconds * 1e3
-            except Exception as error:  # refused (VMEM, SMEM) or not compiled: not a candidate here
+            except Exception as error:  # not compiled (VMEM, HBM): not a candidate here
                 row["ms"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "blocks"}), flush=True)
     return rows
 
 
@@ -249,12 +285,12 @@ def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
         results["fitted"] = dict(row_stall_us=stall * 1e6, clock_factor=factors)
         print(f"fitted: ROW_STALL = {stall:.4g}, CLOCK_FACTOR = {factors}", flush=True)
     if "comparison" in parts:
-        if quick:  # today's plan and the fused candidate: the smoke run the tests make
-            results["comparison"] = [_comparison_row(case, ("today", "fused")) for case in QUICK_COMPARISON]
+        if quick:  # the plan alone, and tokamax: the smoke run the tests make
+            results["comparison"] = [_comparison_row(case, ("planned",)) for case in QUICK_COMPARISON]
         else:
             results["comparison"] = part("comparison", lambda: _rows(COMPARISON, saved))
     if "search" in parts:
-        quick_search = lambda: search([("v5p", 4096, 128)], candidates=("1024/512 fused",))  # noqa: E731
+        quick_search = lambda: search([("v5p", 4096, 128)], candidates=("2048x1024/512 fused",))  # noqa: E731
         results["search"] = part("search", quick_search if quick else search)
     return results
 

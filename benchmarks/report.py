@@ -327,6 +327,91 @@ def _ms(value) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
+def _tpu_time_comparison(rows: list) -> list[str]:
+    lines = [
+        "",
+        "Side by side, one device, B=1, bf16: estimated kernel time per call of a training step in ms (MXU: useful "
+        "flops over that time at the chip's peak): the forward (with residuals, as a step runs it) and forward + "
+        "backward. MaxText: JAX's splash at MaxText's defaults (512 blocks, separate dq and dkv kernels; also "
+        "torch_splash's TPU plan before the search below chose it). planned: torch_splash's TPU plan (blocks: "
+        "forward q x kv, then the fused dkv kernel's, or dkv and dq). tokamax: its forward at the configuration "
+        "its cache measured for the shape, measured time in brackets; where it measured none at that length, at "
+        'the configuration it measured for the nearest one ("from 16K"). Empty: no tokamax cache (v5e) or a mask '
+        "the estimator does not read for tokamax (windows, segment ids). Document: causal with segment ids. Where "
+        "JAX's forward is slower than tokamax's, the row names the unit its schedule keeps busiest (docs/tpu_time.md): "
+        "where that is not the MXU, JAX's kernel spends its bundles on the softmax's elementwise work (VALU) or on "
+        "writing its blocks (store) rather than on matrix multiplies.",
+        "",
+        "| chip | mask | L | heads | D | MaxText fwd | MaxText fwd+bwd | planned | planned fwd | planned fwd+bwd "
+        "| planned / MaxText (fwd+bwd) | tokamax fwd | planned / tokamax (fwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        maxtext, planned, tk = row.get("maxtext", {}), row["planned"], row.get("tokamax")
+
+        def cell(part, key):
+            if "error" in part:
+                return "refused: " + part["error"].split(":")[0]
+            return f"{part[key + '_ms']:.3f} ({part[key + '_mxu']:.0%})" if key + "_ms" in part else ""
+
+        b = planned["blocks"]
+        kernels = f"{b['block_q']}x{b['block_kv']}, " + (
+            f"fused {b['block_q_dkv']}x{b['block_kv_dkv']}"
+            if b["use_fused_bwd_kernel"]
+            else f"dkv {b['block_q_dkv']}x{b['block_kv_dkv']}, dq {b['block_q_dq']}x{b['block_kv_dq']}"
+        )
+        ratio = (
+            f"{planned['step_ms'] / maxtext['step_ms']:.2f}" if "step_ms" in planned and "step_ms" in maxtext else ""
+        )
+        tk_cell = tk_ratio = ""
+        if tk:
+            where = f"[{tk['measured_ms']:.3f}]" if tk["measured_ms"] else f"from {tk['cached_at'] // 1024}K"
+            tk_cell = f"{tk['forward_ms']:.3f} {where} at {tk['blocks']}"
+            if "forward_ms" in planned:
+                ratio_tk = planned["forward_ms"] / tk["forward_ms"]
+                held = f" (JAX's forward: {planned['binding']['forward']}-bound)" if ratio_tk > 1.0 else ""
+                tk_ratio = f"{ratio_tk:.2f}{held}"
+        lines.append(
+            f"| {row['generation']} | {row['mask']} | {row['L'] // 1024}K | {row['heads']}/{row['kv_heads']} "
+            f"| {row['head_dim']} | {cell(maxtext, 'forward')} | {cell(maxtext, 'step')} | {kernels} "
+            f"| {cell(planned, 'forward')} | {cell(planned, 'step')} | {ratio} | {tk_cell} | {tk_ratio} |"
+        )
+    return lines
+
+
+def _tpu_time_search(rows: list) -> list[str]:
+    names = [n for n in rows[0]["ms"] if n != "planned"]  # every row runs the same candidates
+    lines = [
+        "",
+        "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan and of torch_splash's plan, "
+        "causal, B=1, 16 heads, bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in "
+        "bench_tpu_time.CANDIDATES); a fused candidate's time is followed by its dq buffer, in q's, in braces. "
+        "The plan fuses the backward only while that buffer is at most 8 q's. Estimated "
+        f"{'with' if rows[0].get('calibrated') else 'before'} the fitted numbers.",
+        "",
+        "| chip | L | D | " + " | ".join(names) + " | planned | planned / fastest | planned / fastest within 8 q's |",
+        "|---|---|---|" + "---|" * (len(names) + 3),
+    ]
+    for row in rows:
+        ms, buffers = row["ms"], row.get("dq_buffer", {})
+        timed = {k: v for k, v in ms.items() if isinstance(v, float) and k != "planned"}
+        bounded = {k: v for k, v in timed.items() if buffers.get(k, 0) <= 8}
+        cells = [
+            (f"{ms[n]:.2f}" + (f" {{{buffers[n]}}}" if n in buffers else "")) if isinstance(ms[n], float) else "refused"
+            for n in names
+        ]
+        planned = ms.get("planned")
+        as_name = f" (= {row['planned_as']})" if row.get("planned_as") else ""
+        fastest = [f"{planned / min(d.values()):.2f} ({min(d, key=d.get)})" if d and isinstance(planned, float) else ""
+                   for d in (timed, bounded)]  # fmt: skip
+        head = f"| {row['generation']} | {row['L'] // 1024}K | {row['head_dim']} | {' | '.join(cells)} "
+        if isinstance(planned, float):
+            lines.append(head + f"| {planned:.2f}{as_name} | {' | '.join(fastest)} |")
+        else:
+            lines.append(head + "| refused | | |")
+    return lines
+
+
 def _tpu_time(r: dict) -> str:
     stall, factors = r["row_stall_us"] * 1e-3, r["clock_factor"]  # ms per row
     fitted = r["fitted"]
@@ -367,67 +452,9 @@ def _tpu_time(r: dict) -> str:
                 f"| {e['entry']} | {e['measured_ms']:.3f} | {estimate(e):.3f} | {e['schedule_ms'] + e['hbm_ms']:.3f} "
                 f"| {estimate(e) / e['measured_ms'] - 1:+.0%} |"
             )
-    lines += [
-        "",
-        "Side by side, one device, B=1, bf16: estimated kernel time per call in ms (MXU: useful flops over that time "
-        "at the chip's peak). today: torch_splash's TPU plan (512 blocks, separate dq and dkv kernels), which are "
-        "also MaxText's defaults for JAX's splash; sep. and fused: the search's best candidates below, not yet the "
-        "plan (head_dim 128: forward 2048 x 1024 blocks, compute 512; dkv 1024 x 2048; dq 1024 x 2048 or fused into "
-        "dkv; head_dim 256: 1024 x 1024 blocks, compute 512); "
-        "tokamax: its kernel at its cached winning configuration, forward, with its measured time in brackets. "
-        "A refused entry names its refusal (the fused backward's dq buffer grows with L^2 / block).",
-        "",
-        "| chip | mask | L | heads | D | today fwd | today fwd+bwd | sep. fwd | sep. fwd+bwd | fused fwd+bwd "
-        "| best / today (fwd+bwd) | tokamax fwd | today / tokamax (fwd) | sep. / tokamax (fwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in r["comparison"]:
-        today, separate, fused = (row.get(k, {}) for k in ("today", "separate", "fused"))
-
-        def cell(part):
-            if part is None:
-                return ""
-            if "error" in part:
-                return "refused: " + part["error"].split(":")[0]
-            return f"{part['kernel_ms']:.3f} ({part['mxu']:.0%})"
-
-        def ms(part):
-            return part.get("kernel_ms") if part else None
-
-        steps = [ms(c.get("step")) for c in (separate, fused) if ms(c.get("step"))]
-        best = f"{min(steps) / ms(today['step']):.2f}" if steps and ms(today.get("step")) else ""
-        tk = row.get("tokamax")
-        tk_cell = f"{tk['forward_ms']:.3f} [{tk['measured_ms']:.3f}] at {tk['blocks']}" if tk else ""
-        ratios = ["", ""]
-        if tk:
-            ratios = [
-                f"{ms(c.get('forward')) / tk['forward_ms']:.2f}" if ms(c.get("forward")) else ""
-                for c in (today, separate)
-            ]
-        lines.append(
-            f"| {row['generation']} | {row['mask']} | {row['L'] // 1024}K | {row['heads']}/{row['kv_heads']} "
-            f"| {row['head_dim']} | {cell(today.get('forward'))} | {cell(today.get('step'))} "
-            f"| {cell(separate.get('forward'))} | {cell(separate.get('step'))} | {cell(fused.get('step'))} | {best} "
-            f"| {tk_cell} | {' | '.join(ratios)} |"
-        )
+    lines += _tpu_time_comparison(r["comparison"])
     if r.get("search"):
-        names = list(r["search"][0]["ms"])  # every row runs the same candidates
-        lines += [
-            "",
-            "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan, causal, B=1, 16 heads, "
-            "bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in bench_tpu_time.CANDIDATES). "
-            f"Estimated {'with' if r['search'][0].get('calibrated', True) else 'before'} the fitted numbers.",
-            "",
-            "| chip | L | D | " + " | ".join(names) + " | fastest |",
-            "|---|---|---|" + "---|" * (len(names) + 1),
-        ]
-        for row in r["search"]:
-            cells = [f"{v:.2f}" if isinstance(v, float) else "refused" for v in row["ms"].values()]
-            timed = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
-            fastest = min(timed, key=timed.get) if timed else ""
-            lines.append(
-                f"| {row['generation']} | {row['L'] // 1024}K | {row['head_dim']} | {' | '.join(cells)} | {fastest} |"
-            )
+        lines += _tpu_time_search(r["search"])
     return "\n".join(lines + tables)
 
 

@@ -174,6 +174,9 @@ def _estimate(generation, backward, **plan):
 @needs_libtpu
 def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
     shape = dict(q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=torch_splash_jax.CausalMask())
+    shape["block_sizes"] = torch_splash_jax.BlockSizes(  # MaxText's defaults: 512 blocks, separate dq
+        block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, block_q_dq=512, block_kv_dq=512
+    )
     step = _estimate("v5p", True, **shape)
     assert sorted(k.kind for k in step.kernels) == ["dkv", "dq", "forward"]
     forward = _estimate("v5p", False, **shape)
@@ -266,3 +269,24 @@ def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the
     assert tpu_time.kernel_output_bytes(hlo, "splash_mha_fwd.1") == 2 * 128 * 2 + 2 * 128 * 4
     assert tpu_time.kernel_kind("splash_mha_fwd_no_residuals_block_kv_dkv_512.1") == "forward"
     assert tpu_time.kernel_kind("splash_mqa_dkv.3") == "dkv"
+
+
+def test_the_tpu_plan_is_the_search_s_fastest_within_its_dq_buffer_bound():
+    """The TPU plan (torch_splash_jax.plan._TARGETS) was chosen from the search in
+    benchmarks/results/tpu_time.json (`./dev.sh bench-tpu-time --parts search`): each row's
+    "planned" blocks are what the planner plans today, and their estimated forward+backward is the
+    fastest of the candidates whose fused dq buffer is at most 8 q's (or not fused)."""
+    rows = json.loads((ROOT / "benchmarks" / "results" / "tpu_time.json").read_text())["search"]
+    assert {(r["generation"], r["L"], r["head_dim"]) for r in rows} >= {
+        (g, length, dim) for g in ("v5e", "v5p", "v6e", "v7x") for length, dim in ((8192, 128), (32768, 128))
+    }
+    for row in rows:
+        plan = torch_splash_jax.plan(
+            q_len=row["L"], num_q_heads=16, head_dim=row["head_dim"], dtype="bfloat16",
+            mask=torch_splash_jax.CausalMask(), platform="tpu",
+        )  # fmt: skip
+        assert row["blocks"]["planned"] == plan.block_sizes(), (row["generation"], row["L"], "re-run the search")
+        timed = {n: ms for n, ms in row["ms"].items() if isinstance(ms, float) and n != "planned"}
+        bounded = {n: ms for n, ms in timed.items() if row["dq_buffer"].get(n, 0) <= 8}
+        assert row["ms"]["planned"] <= min(bounded.values()), row
+        assert row["dq_buffer"].get("planned", 0) <= 8
