@@ -138,9 +138,10 @@ def ring_mosaic_calls(program, args):
     return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)]
 
 
-def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False):
+def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False, blocks=None):
     """What attention() would hand to torch_xla on a TPU with this mesh and spec: the program of the
-    shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward."""
+    shard-local plan, lowered for TPU at the local shapes. Mosaic calls in its forward and backward,
+    and whether the plan fuses dq into the dkv kernel."""
     import jax
     import jax.export
     import jax.numpy as jnp
@@ -153,7 +154,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False
     )
     sharding = _sharding.check(spec, mesh, call, None, layout, "ring" if ring else None)
     call = sharding.spread_single_kv_head(call)
-    plan = api._plan(call, None, "tpu", sharding)
+    plan = api._plan(call, blocks, "tpu", sharding)
     program = torch_splash_jax.program(plan)
     shapes = [
         (plan.batch, h, length, d)
@@ -168,13 +169,14 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False
         args += [jax.ShapeDtypeStruct((plan.batch, n), jnp.int32) for n in (plan.q_len, plan.kv_len)]
     if sinks is not None:
         args += [jax.ShapeDtypeStruct((plan.num_q_heads,), jnp.float32)]
+    fused = plan.block_sizes()["use_fused_bwd_kernel"]
     if plan.ring:  # a middle step of the ring: its kernels, inside the branch for devices with work
-        return ring_mosaic_calls(program, args)
+        return ring_mosaic_calls(program, args), fused
     args += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.device_tables(0)]  # one device's slice
     forward = jax.export.export(program.forward, platforms=["tpu"])(*args)
     out, lse = jax.eval_shape(program.forward, *args)
     backward = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
-    return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)]
+    return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)], fused
 
 
 ERRORS = {
@@ -277,7 +279,9 @@ def main(names):
         assert len(local) == 1, local
         local = local.pop()
         RAN.clear()
-        tpu_calls = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring)
+        tpu_calls, tpu_fused = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring)
+        separate = torch_splash.BlockSizes(use_fused_bwd_kernel=False)  # the plan's choice past 16K keys
+        tpu_separate, _ = mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring, separate)
         if sinks is not None:
             xla_in, ref_in = xla_in + [xla_sinks], ref_in + [ref_sinks]
         print(
@@ -293,6 +297,8 @@ def main(names):
                     "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
                     "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads, local.q_len],
                     "tpu_custom_calls": tpu_calls,
+                    "tpu_fused": tpu_fused,
+                    "tpu_separate_custom_calls": tpu_separate,
                     "ring_steps": ring_steps,
                     "kv_sharding": torch_xla._XLAC._get_xla_sharding_spec(xla_in[1].grad),
                 }

@@ -191,7 +191,8 @@ def test_stored_mask_tables_keep_to_the_smem_and_vmem_that_compiled():
     to 2**18 entries (16 heads at 128K) was refused by the TPU compiler for SMEM, so stored tables
     keep to 3/5 of the entries. One v5e chip then cannot hold 16 per-head tables at 128K (the error
     says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can. The
-    dq kernel of a stored mask also keeps to half the VMEM budget (1024 x 2048 overran it at 128K)."""
+    dq and dkv kernels of a stored mask also keep to half the VMEM budget (1024 x 2048 overran it
+    at 128K)."""
     from torch_splash_jax.plan import SMEM_STORED_TABLE_ENTRIES
 
     per_head = torch_splash_jax.MultiHeadMask([torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 8)
@@ -211,4 +212,18 @@ def test_stored_mask_tables_keep_to_the_smem_and_vmem_that_compiled():
         [torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 2
     )
     blocks = torch_splash_jax.plan(mask=four_heads, **dict(common, num_q_heads=4, num_kv_heads=2)).block_sizes()
-    assert blocks["block_q_dq"] * blocks["block_kv_dq"] * 128 <= VMEM_BUDGET // 2
+    for q, kv in (("block_q_dq", "block_kv_dq"), ("block_q_dkv", "block_kv_dkv")):
+        assert blocks[q] * blocks[kv] * 128 <= VMEM_BUDGET // 2
+
+
+def test_a_tpu_plan_of_a_sharded_query_sequence_keeps_512_blocks_and_the_dq_kernel():
+    """Sequence-sharded kernels evaluate their mask from the query positions: the ring's forward at
+    2048 x 1024 ran out of VMEM where 512 blocks compiled (tests/test_commands.py compiles the ring)."""
+    for strategy in ("all_gather", "ring"):
+        plan = torch_splash_jax.plan(
+            q_len=32768, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=torch_splash_jax.CausalMask(),
+            platform="tpu", q_shards=4, sequence_layout="balanced", context_parallel=strategy,
+        )  # fmt: skip
+        blocks = plan.block_sizes()
+        assert blocks["use_fused_bwd_kernel"] is False
+        assert {blocks[n] for n in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq")} == {512}

@@ -40,7 +40,8 @@ class _Target:
     compute: int
     # JAX's fused backward writes dq once per kv block of the dkv kernel and sums afterwards: a
     # buffer of (kv blocks) x q's bytes (at 128K tokens, 16 heads, D=128, 2048 kv blocks: 32 GiB).
-    # Past this many kv blocks the plan takes the separate dq kernel, which keeps no such buffer.
+    # Past this many kv blocks the plan takes the separate dq kernel, which keeps no such buffer
+    # (0: always separate).
     fused_max_kv_blocks: int | None
 
     def block(self, name: str) -> int:
@@ -65,6 +66,17 @@ _TARGETS = {
     "cpu": _Target(forward=(512, 512), dkv=(512, 512), dq=(512, 512), compute=512, fused_max_kv_blocks=None),
     "tpu": _Target(forward=(2048, 1024), dkv=(1024, 2048), dq=(1024, 2048), compute=512, fused_max_kv_blocks=8),
 }
+# TPU plans of a query sequence sharded over devices (the ring included) keep MaxText's 512 blocks
+# with separate dq and dkv kernels: their kernels evaluate the mask from the query positions they
+# are given, a block at a time, and the ring's forward at 2048 x 1024 ran out of VMEM ("allocating
+# on stack", v5e) where 512 blocks compiled; 512-row blocks also keep within the chunks of the
+# balanced layout, whose causal work they even out. The search did not cover these programs.
+_SEQUENCE_SHARDED_TPU = _Target(forward=(512, 512), dkv=(512, 512), dq=(512, 512), compute=512, fused_max_kv_blocks=0)
+
+
+def _target(platform: str, sequence_sharded: bool) -> _Target:
+    return _SEQUENCE_SHARDED_TPU if platform == "tpu" and sequence_sharded else _TARGETS[platform]
+
 
 # A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (torch_splash_jax.aot):
 # every kernel compiled whose block_q x block_kv x max(head_dim, 128) was at most 2**28 (2048 x 1024
@@ -337,7 +349,7 @@ def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int, stored: bool) -> No
                 raise SplashConstraintError(
                     f"{given}: the {kernel} kernel's blocks at head_dim {head_dim} do not fit the "
                     f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28 (2**27 for the dq "
-                    f"kernel of a mask read from stored blocks), and the dq kernel's q block at most "
+                    f"and dkv kernels of a mask read from stored blocks), and the dq kernel's q block at most "
                     f"{DQ_MAX_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. 2048 x 1024 at head_dim 128, "
                     "1024 x 1024 at 256). Use smaller blocks, or leave them None to have them planned."
                 )
@@ -387,12 +399,14 @@ def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, kv128: int,
 def _fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forward", stored: bool = False) -> bool:
     # The dq kernel's VMEM also grows with the sequence: at 512K tokens, head_dim 128, its 2048 x
     # 1024 blocks overran the scoped VMEM (16.88M of 16M) where 1024 x 2048 compiled; at 128K
-    # both did. Its q block stays at most 1024. With a mask read from stored blocks it also holds
-    # the mask's blocks: at 128K tokens, 4 heads, a per-head mask, 1024 x 2048 overran it (19.22M
-    # of 16M on v5e) where 1024 x 1024 compiled, so there it keeps to half the budget.
+    # both did. Its q block stays at most 1024. With a mask read from stored blocks the backward
+    # kernels also hold the mask's blocks: at 128K tokens, 4 heads, a per-head mask, the dq kernel
+    # at 1024 x 2048 overran the scoped VMEM (19.22M of 16M, v5e, libtpu 0.0.21) and so did the dkv
+    # kernel at 1024 x 2048 with libtpu 0.0.52, where both compiled at 1024 x 1024: they keep to
+    # half the budget.
     if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
         return False
-    budget = VMEM_BUDGET // 2 if kernel == "dq" and stored else VMEM_BUDGET
+    budget = VMEM_BUDGET // 2 if kernel != "forward" and stored else VMEM_BUDGET
     return q_block * kv_block * max(head_dim, LANES) <= budget
 
 
@@ -443,16 +457,20 @@ def plan_blocks(
     head_dim: int = LANES,
     table_heads: int = 1,
     stored: bool = False,
+    sequence_sharded: bool = False,
 ) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
     _check_user_blocks(user)
     fused = user.use_fused_bwd_kernel
     if fused is None and (user.block_q_dq or user.block_kv_dq):
         fused = False  # the caller asked for dq blocks, so they want the separate dq kernel
-    args = (q_len, kv_len, user, platform, head_dim, table_heads, stored)
+    target = _target(platform, sequence_sharded)
+    args = (q_len, kv_len, user, platform, target, head_dim, table_heads, stored)
     if fused is not None:
         return _planned(*args, fused=fused)
-    limit = _TARGETS[platform].fused_max_kv_blocks
+    limit = target.fused_max_kv_blocks
+    if limit == 0:
+        return _planned(*args, fused=False)
     try:
         q_pad, kv_pad, blocks = _planned(*args, fused=True)
     except SplashConstraintError:
@@ -469,12 +487,12 @@ def _planned(
     kv_len: int,
     user: BlockSizes,
     platform: str,
+    target: _Target,
     head_dim: int,
     table_heads: int,
     stored: bool,
     fused: bool,
 ) -> tuple[int, int, tuple]:
-    target = _TARGETS[platform]
     q128, kv128 = lane_padded(q_len), lane_padded(kv_len)
 
     def block(name: str, length128: int) -> int:
@@ -493,7 +511,7 @@ def _planned(
         blocks[c] = _fit_compute(blocks[b], target.compute if given is None else given)
     if platform == "tpu" and fused:
         _fit_fused_compute(blocks, user, head_dim)
-        if target.fused_max_kv_blocks is not None:
+        if target.fused_max_kv_blocks:
             _fit_fused_buffer(blocks, user, head_dim, kv128, target.fused_max_kv_blocks)
     q_pad = _round_up(q128, math.lcm(*(blocks[n] for n in q_names)))
     kv_pad = _round_up(kv128, math.lcm(*(blocks[n] for n in kv_names)))
@@ -569,7 +587,7 @@ def plan(
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
     stored = ring or shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
     q_pad, kv_pad, blocks = plan_blocks(
-        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored
+        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored, q_shards > 1
     )
     return Plan(
         batch=batch,
