@@ -11,6 +11,7 @@
 #                          sequence sharding, the ring)
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)
 #   ./dev.sh bench-masks   runs benchmarks/bench_masks.py (block tables, sliding window scaling)
+#   ./dev.sh bench-memory  runs benchmarks/bench_memory.py (RSS per new shape before and after the program cache fills)
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
 #   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
@@ -122,6 +123,7 @@ case "$cmd" in
       -o locks/current-py312.txt ;;
   bench) exec .venv/bin/python benchmarks/bench_bridge.py "$@" ;;
   bench-masks) exec .venv/bin/python benchmarks/bench_masks.py "$@" ;;
+  bench-memory) exec .venv/bin/python benchmarks/bench_memory.py "$@" ;;
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
   bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
@@ -133,7 +135,7 @@ case "$cmd" in
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
-  *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-hf |" \
+  *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
           "bench-transports | bench-tpu-memory | bench-sequence | bench-context-parallel | bench-tpu-time | bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

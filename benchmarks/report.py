@@ -327,6 +327,26 @@ def _ms(value) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
+def _memory(r: dict) -> str:
+    lines = [
+        f"Program cache of {r['cache']}, {r['shapes']} shapes. Per new shape: RSS (MB) and live jaxprs while the cache "
+        f"fills (shapes {r['cache'] // 2} to {r['cache']}) and after it has turned over twice (shapes {2 * r['cache']} "
+        f"to {r['shapes']}).",
+        "",
+        "| kernel called | MB while filling | MB after | after / filling (target < 0.10) | jaxprs while filling "
+        "| jaxprs after |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"programs": "traced into each program (torch_splash)", "baseline": "through its own jax.jit (baseline)"}
+    for key, name in names.items():
+        m = r[key]
+        lines.append(
+            f"| {name} | {m['filling_mb']:.2f} | {m['after_mb']:.2f} | {m['after_mb'] / m['filling_mb']:.3f} "
+            f"| {m['filling_jaxprs']:.1f} | {m['after_jaxprs']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def _tpu_time_comparison(rows: list) -> list[str]:
     lines = [
         "",
@@ -477,6 +497,14 @@ SECTIONS = {
         "then the forward of a 1024-token sliding window (B=1, H=2, D=64, no grad), which should grow about "
         "linearly with L, next to SDPA with the equivalent dense bool mask, which grows quadratically.",
         _masks,
+    ),
+    "memory": (
+        "Memory of a process that keeps meeting new shapes, default settings (CPU)",
+        "torch_splash.attention (no grad, causal, B=1, H=1, D=8) over distinct lengths, a new plan and program each, "
+        "in a fresh process; the baseline, in the same run, calls the splash kernel through its own module-level "
+        "jax.jit, as torch_splash did before (torch_splash_jax.policy says what that kept alive). Target: after the "
+        "cache has turned over, RSS per new shape under 10% of a program's while the cache fills.",
+        _memory,
     ),
     "hf": (
         'HuggingFace training step: attn_implementation="splash" vs "sdpa" (CPU)',

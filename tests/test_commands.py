@@ -30,6 +30,7 @@ def test_demo():
     [
         ("bench", "bridge_quick.json", "large"),
         ("bench-masks", "masks_quick.json", "tables"),
+        ("bench-memory", "memory_quick.json", "programs"),
         ("bench-hf", "hf_quick.json", "rows"),
         ("bench-transports", "transports_quick.json", "graph"),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),

@@ -1,10 +1,11 @@
-"""Memory per distinct shape is bounded with TORCH_SPLASH_CLEAR_JAX_CACHES=1: a process that keeps
-meeting new shapes (a server, a data pipeline with varied lengths) stops growing once the program
-cache has turned over.
+"""Memory per distinct shape is bounded with default settings: a process that keeps meeting new
+shapes (a server, a data pipeline with varied lengths) stops growing once the program cache has
+turned over, without clearing JAX's caches (the caller's own).
 
 What used to grow: JAX's tracing caches keyed on the splash module's long-lived jitted kernel, about
-25 live jaxprs and 0.6 MB of RSS per new shape, released only at JAX's own bounds (thousands of
-entries). torch_splash_jax's program cache clears them each time it has turned over."""
+25 live jaxprs and 0.5 MB of RSS per new shape, released only at JAX's own bounds (thousands of
+entries). The kernel is now traced into each program's own jitted functions
+(torch_splash_jax.compat.call_splash_kernel), whose cache entries die with the program."""
 
 import json
 import os
@@ -17,7 +18,12 @@ SHAPES = 160
 
 SCRIPT = f"""
 import gc, json, os
+import jax, jax.numpy as jnp
 import torch, torch_splash
+
+traces = []  # the process's own jitted function: traced once, and never again if its cache is kept
+own = jax.jit(lambda x: traces.append(1) or x * 2)
+own(jnp.ones(3))
 
 def rss_mb():
     with open("/proc/self/statm") as f:
@@ -32,25 +38,34 @@ with torch.no_grad():
             gc.collect()
             jaxprs = sum(1 for o in gc.get_objects() if type(o).__name__ == "Jaxpr")
             samples.append((i + 1, rss_mb(), jaxprs))
-print(json.dumps(samples))
+own(jnp.ones(3))
+print(json.dumps(dict(samples=samples, own_traces=len(traces))))
 """
 
 
-def test_memory_stops_growing_over_new_shapes():
-    env = {**os.environ, "TORCH_SPLASH_PROGRAM_CACHE_SIZE": str(CACHE_SIZE), "TORCH_SPLASH_CLEAR_JAX_CACHES": "1"}
+def _run(env: dict) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True, text=True, timeout=900, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    samples = json.loads(done.stdout.strip().splitlines()[-1])
-    # From the second turnover on (shapes 32 to 96, then 96 to 160): the later half must not hold
-    # more than the earlier one. Growing, it would add about 64 x 25 jaxprs and 64 x 0.6 MB.
-    early = [s for s in samples if 2 * CACHE_SIZE < s[0] <= 96]
-    late = [s for s in samples if s[0] > 96]
-    peak_rss, peak_jaxprs = max(s[1] for s in early), max(s[2] for s in early)
-    assert max(s[2] for s in late) <= peak_jaxprs * 1.1, samples
-    # RSS moves by a few MB with allocator noise; 20 MB is under the growth of 64 shapes (about 38 MB)
-    assert max(s[1] for s in late) <= peak_rss + 20, samples
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_memory_stops_growing_over_new_shapes_with_default_settings():
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_SPLASH_CLEAR_JAX_CACHES"}
+    result = _run({**env, "TORCH_SPLASH_PROGRAM_CACHE_SIZE": str(CACHE_SIZE)})
+    assert result["own_traces"] == 1  # the process's own jax.jit cache was left alone
+    samples = result["samples"]
+    by_shapes = {shapes: (rss, jaxprs) for shapes, rss, jaxprs in samples}
+    # while the cache fills (shapes 8 to 16) each new program costs about 2.5 MB; from the second
+    # turnover on (shapes 96 to 160) a new shape may add at most a tenth of that, and the live
+    # jaxprs at most 5 per shape (about 3 remain in JAX's own bounded caches, keyed on shapes;
+    # the module-level kernel's caches added 25)
+    filling = (by_shapes[CACHE_SIZE][0] - by_shapes[CACHE_SIZE // 2][0]) / (CACHE_SIZE // 2)
+    late_rss = (by_shapes[SHAPES][0] - by_shapes[96][0]) / (SHAPES - 96)
+    late_jaxprs = (by_shapes[SHAPES][1] - by_shapes[96][1]) / (SHAPES - 96)
+    assert late_jaxprs <= 5, samples
+    assert late_rss <= 0.1 * filling, (late_rss, filling, samples)
 
 
 def test_clearing_jax_s_caches_is_opt_in(monkeypatch):

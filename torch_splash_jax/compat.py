@@ -162,6 +162,21 @@ def splash_modules():
     return kernel, mask, mask_info
 
 
+def call_splash_kernel(kernel, *args):
+    """What `kernel(*args)` (a SplashAttentionKernel) computes, traced into the caller's own jit.
+
+    The kernel's `__call__` goes through `_splash_attention`, a module-level `jax.jit`: JAX's
+    caches keyed on that long-lived function kept about 25 jaxprs and 0.5 MB for every new shape,
+    long after the program that traced it was evicted (torch_splash_jax.policy). Its undecorated
+    function (`__wrapped__`, which `jax.jit` sets) computes the same thing, and traced inside each
+    Program's own jitted functions its entries die with them."""
+    try:
+        body = splash_modules()[0]._splash_attention.__wrapped__
+    except AttributeError as error:
+        raise _moved("splash_attention_kernel._splash_attention.__wrapped__", error) from None
+    return body(kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info, *args, **kernel.kwargs)
+
+
 def computable_mask_base() -> type:
     """The base class of a mask the kernel evaluates by its function (`_ComputableMask`)."""
     try:

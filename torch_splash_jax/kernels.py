@@ -182,7 +182,9 @@ class Program:
 
     def _attend(self, kernel, q, k, v, segment_ids, sinks=None):
         # vmapped over batch; sinks, closed over, are shared by every batch element
-        return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, ids, sinks))(q, k, v, segment_ids)
+        return jax.vmap(lambda q, k, v, ids: compat.call_splash_kernel(kernel, q, k, v, ids, sinks))(
+            q, k, v, segment_ids
+        )
 
     def signature(self, kind: str) -> tuple[str, ...]:
         """The names of the arrays `kind` ("forward", "infer" or "backward") takes, in order."""

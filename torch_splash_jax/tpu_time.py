@@ -519,7 +519,7 @@ def kernel_output_bytes(hlo_text: str, name: str) -> int:
 
 def kernel_kind(name: str) -> str:
     """ "forward", "dq" or "dkv" from a splash kernel's name (splash_mha_fwd..., splash_mqa_dkv...)."""
-    found = re.match(r"splash_m[hq]a_(fwd|dq|dkv)", name)
+    found = re.search(r"splash_m[hq]a_(fwd|dq|dkv)", name)  # traced into a program: jvp_vmap_splash_mha_fwd...
     if found is None:
         raise ScheduleError(f"kernel {name}: not a splash forward, dq or dkv kernel")
     return {"fwd": "forward"}.get(found[1], found[1])
