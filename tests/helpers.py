@@ -100,10 +100,14 @@ def xla_metric_count(name: str) -> int:
     return 0 if data is None else data[0]
 
 
+def backward_kernels(blocks: dict) -> int:
+    """The Mosaic calls of a backward with these blocks: dkv, and dq unless it is fused into dkv."""
+    return 1 if blocks["use_fused_bwd_kernel"] else 2
+
+
 def tpu_training_kernels(q_len: int, kv_len: int, head_dim: int) -> int:
-    """The Mosaic calls of one attention call's forward and backward as the TPU plan has them: the
-    forward, then dkv with dq fused into it or the dkv and dq kernels (torch_splash_jax.plan)."""
+    """The Mosaic calls of one attention call's forward and backward as the TPU plan has them
+    (torch_splash_jax.plan)."""
     from torch_splash_jax.plan import BlockSizes, plan_blocks
 
-    fused = dict(plan_blocks(q_len, kv_len, BlockSizes(), "tpu", head_dim)[2])["use_fused_bwd_kernel"]
-    return 1 + (1 if fused else 2)
+    return 1 + backward_kernels(dict(plan_blocks(q_len, kv_len, BlockSizes(), "tpu", head_dim)[2]))

@@ -6,6 +6,7 @@ import jax.export
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import backward_kernels
 
 import torch_splash_jax
 from torch_splash_jax.masks import CausalMask, FullMask
@@ -42,11 +43,6 @@ def _count_custom_calls(exported) -> int:
     return exported.mlir_module().count("tpu_custom_call")
 
 
-def _backward_kernels(plan) -> int:
-    """dkv, and dq unless the plan fuses it into dkv; the forward is never recomputed."""
-    return 1 if plan.block_sizes()["use_fused_bwd_kernel"] else 2
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[1]}x{c[2]}-L{c[3]}x{c[4]}-{c[7]}-seg{c[9]}")
 def test_forward_and_backward_lower_for_tpu(config):
     batch, hq, hkv, q_len, kv_len, d, dv, dtype, mask, seg = config
@@ -64,7 +60,7 @@ def test_forward_and_backward_lower_for_tpu(config):
     assert _count_custom_calls(fwd) == 1
     out, lse = jax.eval_shape(program.forward, *args)
     bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
-    assert _count_custom_calls(bwd) == _backward_kernels(plan)
+    assert _count_custom_calls(bwd) == backward_kernels(plan.block_sizes())
     assert [a.shape for a in bwd.out_avals] == [a.shape for a in args[:3]]
 
 
@@ -130,7 +126,7 @@ def test_each_mask_family_lowers_for_tpu_at_its_planned_blocks(mask):
     assert _count_custom_calls(fwd) == 1
     out, lse = jax.eval_shape(program.forward, *args)
     bwd = jax.export.export(program.backward, platforms=["tpu"])(*args, out, lse, out)
-    assert _count_custom_calls(bwd) == _backward_kernels(plan)
+    assert _count_custom_calls(bwd) == backward_kernels(plan.block_sizes())
 
 
 def test_dense_mask_lowers_for_tpu():
