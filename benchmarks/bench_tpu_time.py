@@ -55,17 +55,6 @@ COMPARISON = [
 ] + [(generation, "causal", length, 16, 16, 128) for generation in ("v5p", "v7x") for length in (4096, 131072)]
 QUICK_COMPARISON = [("v5p", "causal", 4096, 8, 8, 128)]
 QUICK_ENTRY = "fwd bf16[8,2048,16,128] kv[8,2048,16,128] causal blocks"  # one measured entry, quick to compile
-MAXTEXT = dict(
-    block_q=512,
-    block_kv=512,
-    block_kv_compute=512,
-    block_q_dkv=512,
-    block_kv_dkv=512,
-    block_kv_dkv_compute=512,
-    block_q_dq=512,
-    block_kv_dq=512,
-    use_fused_bwd_kernel=False,
-)  # fmt: skip  MaxText's defaults for JAX's splash, and torch_splash's TPU plan before the search chose it
 
 
 def _libtpu_dir() -> str:
@@ -176,6 +165,8 @@ def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -
     return dict(fields, use_fused_bwd_kernel=dq is None)
 
 
+# MaxText's defaults for JAX's splash, and torch_splash's TPU plan before the search chose it
+MAXTEXT = _blocks((512, 512), (512, 512), 512, dq=(512, 512))
 # The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation);
 # the plan (torch_splash_jax.plan._TARGETS) takes the fastest whose fused dq buffer stays at most 8 q's
 CANDIDATES = {
