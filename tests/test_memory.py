@@ -57,28 +57,35 @@ def test_memory_stops_growing_over_new_shapes_with_default_settings():
     assert result["own_traces"] == 1  # the process's own jax.jit cache was left alone
     samples = result["samples"]
     by_shapes = {shapes: (rss, jaxprs) for shapes, rss, jaxprs in samples}
-    # while the cache fills (shapes 8 to 16) each new program costs about 2.5 MB; from the second
-    # turnover on (shapes 96 to 160) a new shape may add at most a tenth of that, and the live
-    # jaxprs at most 5 per shape (about 3 remain in JAX's own bounded caches, keyed on shapes;
-    # the module-level kernel's caches added 25)
-    filling = (by_shapes[CACHE_SIZE][0] - by_shapes[CACHE_SIZE // 2][0]) / (CACHE_SIZE // 2)
-    late_rss = (by_shapes[SHAPES][0] - by_shapes[96][0]) / (SHAPES - 96)
-    late_jaxprs = (by_shapes[SHAPES][1] - by_shapes[96][1]) / (SHAPES - 96)
-    assert late_jaxprs <= 5, samples
-    assert late_rss <= 0.1 * filling, (late_rss, filling, samples)
+
+    def per_shape(first: int, last: int, index: int) -> float:
+        return (by_shapes[last][index] - by_shapes[first][index]) / (last - first)
+
+    # Live jaxprs are counted exactly: a program holds about 25 while the cache fills (shapes 8 to
+    # 16); from the second turnover on (shapes 96 to 160) a new shape may leave at most a fifth of
+    # that alive (about 2 to 3.3 remain in JAX's own caches keyed on shapes, bounded by their sizes;
+    # through the kernel's module-level jax.jit all 25 stayed).
+    filling_jaxprs, late_jaxprs = per_shape(CACHE_SIZE // 2, CACHE_SIZE, 1), per_shape(96, SHAPES, 1)
+    assert filling_jaxprs >= 15, samples  # the measure sees a program's jaxprs at all
+    assert late_jaxprs <= 0.2 * filling_jaxprs, (late_jaxprs, filling_jaxprs, samples)
+    # RSS is the allocator's: while the cache fills, a program's cost ranged from 0.2 to 2.5 MB
+    # between runs (freed memory is reused), too noisy to divide by. After the turnover a new shape
+    # measured 0.09 to 0.13 MB on the two tested sets; through the kernel's own jax.jit 0.54 MB
+    # (./dev.sh bench-memory measures both in one run). Half of that is the bound.
+    assert per_shape(96, SHAPES, 0) <= 0.27, samples
 
 
 def test_clearing_jax_s_caches_is_opt_in(monkeypatch):
     """jax.clear_caches() also clears the process's own JAX caches: the program cache calls it at a
     turnover only with TORCH_SPLASH_CLEAR_JAX_CACHES=1 (torch_splash_jax.policy)."""
-    from torch_splash_jax import CausalMask, kernels, plan, policy
+    from torch_splash_jax import CausalMask, plan, policy, programs
 
     cleared = []
-    monkeypatch.setattr(kernels, "_release_jax_caches", lambda: cleared.append(1))
+    monkeypatch.setattr(programs, "release_jax_caches", lambda: cleared.append(1))
     plans = [plan(q_len=length, head_dim=8, mask=CausalMask(0)) for length in (8, 9, 10, 11)]
     for opt_in in (False, True):
         monkeypatch.setattr(policy, "CLEAR_JAX_CACHES", opt_in)
-        cache, cleared[:] = kernels._ProgramCache(1), []
+        cache, cleared[:] = programs.ProgramCache(1), []
         for p in plans:  # each new plan evicts the last one: a turnover at each eviction (size 1)
             cache(p)
         assert len(cleared) == (3 if opt_in else 0), opt_in
