@@ -34,6 +34,35 @@ def test_error_types_are_documented_subclasses():
     assert issubclass(SplashDtypeError, TypeError)
 
 
+_WRONG_TYPES = {
+    "q as a list": lambda q: torch_splash.attention(q.tolist(), q, q),
+    "mask=1.0": lambda q: torch_splash.attention(q, q, q, mask=1.0),
+    "a float mask": lambda q: torch_splash.attention(q, q, q, mask=torch.zeros(16, 16)),
+    "scale='0.1'": lambda q: torch_splash.attention(q, q, q, scale="0.1"),
+    "soft_cap=[1.0]": lambda q: torch_splash.attention(q, q, q, soft_cap=[1.0]),
+    "block_sizes as a dict": lambda q: torch_splash.attention(q, q, q, block_sizes={"block_kv": 128}),
+    "block_q=16.0": lambda q: torch_splash.attention(q, q, q, block_sizes=BlockSizes(block_q=16.0)),
+    "attn_mask as a list": lambda q: torch_splash.scaled_dot_product_attention(q, q, q, attn_mask=[[True]]),
+    "CausalMask(1.5)": lambda q: torch_splash.masks.CausalMask(offset=1.5),
+    "LocalMask('8')": lambda q: torch_splash.masks.LocalMask("8"),
+    "from_tensor(list)": lambda q: torch_splash.masks.from_tensor([[True]]),
+    "from_mask_mod(str)": lambda q: torch_splash.masks.from_mask_mod("causal"),
+    "mask | int": lambda q: torch_splash.masks.CausalMask() | 1,
+    "MultiHeadMask of str": lambda q: torch_splash.masks.MultiHeadMask(("causal",)),
+    "hf.patch(object)": lambda q: torch_splash.hf.patch(object()),
+}
+
+
+@pytest.mark.parametrize("call", _WRONG_TYPES.values(), ids=_WRONG_TYPES.keys())
+def test_a_wrong_type_is_a_dtype_error_wherever_it_is_passed(call):
+    """README: SplashDtypeError for types and dtypes, SplashConstraintError for values."""
+    import torch_splash.hf  # noqa: F401  (hf.patch)
+
+    q, _, _ = qkv(hkv=4)
+    with pytest.raises(SplashDtypeError):
+        call(q)
+
+
 # --- The three seeds ------------------------------------------------------------------------
 
 
@@ -186,7 +215,23 @@ def test_block_size_rules():
     raises(
         SplashConstraintError, r"block_kv=0: block sizes are positive ints", q, k, v, block_sizes=BlockSizes(block_kv=0)
     )
-    raises(SplashConstraintError, r"pass torch_splash.BlockSizes", q, k, v, block_sizes={"block_kv": 128})
+    raises(SplashDtypeError, r"pass torch_splash.BlockSizes", q, k, v, block_sizes={"block_kv": 128})
+    raises(
+        SplashDtypeError,
+        r"block_kv=128.0: block sizes are positive ints",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(block_kv=128.0),
+    )
+    raises(
+        SplashDtypeError,
+        r"use_fused_bwd_kernel=1: must be True",
+        q,
+        k,
+        v,
+        block_sizes=BlockSizes(use_fused_bwd_kernel=1),
+    )
     raises(
         SplashConstraintError,
         r"q_layout='SEQ_MINOR'.*multiple of 128",
@@ -200,7 +245,7 @@ def test_block_size_rules():
 def test_mask_scale_soft_cap():
     q, k, v = qkv()
     raises(SplashConstraintError, r"mask='upper'.*'causal'", q, k, v, mask="upper")
-    raises(SplashConstraintError, r"mask of type float", q, k, v, mask=1.0)
+    raises(SplashDtypeError, r"mask of type float", q, k, v, mask=1.0)
     raises(
         SplashConstraintError,
         r"mask has shape \(16, 17\) but the call has \(Lq, Lkv\) = \(16, 16\)",
@@ -210,7 +255,7 @@ def test_mask_scale_soft_cap():
         mask=torch.ones(16, 17, dtype=torch.bool),
     )
     raises(SplashConstraintError, r"per-head mask has 3 heads but q has 4", q, k, v, mask=["causal"] * 3)
-    raises(SplashConstraintError, r"mask has dtype torch.float32: pass a bool mask", q, k, v, mask=torch.zeros(16, 16))
+    raises(SplashDtypeError, r"mask has dtype torch.float32: pass a bool mask", q, k, v, mask=torch.zeros(16, 16))
     raises(
         SplashConstraintError,
         r"depends on the batch index b",
@@ -225,8 +270,9 @@ def test_mask_scale_soft_cap():
         torch_splash.masks.ChunkedCausalMask(0)
     raises(SplashConstraintError, r"soft_cap=0.0: must be > 0", q, k, v, soft_cap=0.0)
     raises(SplashConstraintError, r"scale=nan", q, k, v, scale=float("nan"))
+    raises(SplashDtypeError, r"scale='0.1': expected a finite float", q, k, v, scale="0.1")
     raises(SplashConstraintError, r"transport='nccl': expected one of", q, k, v, transport="nccl")
-    with pytest.raises(SplashConstraintError, match=r"offset=1.5 must be an int"):
+    with pytest.raises(SplashDtypeError, match=r"offset=1.5 must be an int"):
         torch_splash.masks.CausalMask(1.5)
 
 

@@ -170,13 +170,13 @@ def test_prefix_lm_stays_structured_and_skips_blocks():
 
 
 def test_what_cannot_combine_is_a_splash_error():
-    with pytest.raises(torch_splash.SplashConstraintError, match="cannot combine a mask with int"):
+    with pytest.raises(torch_splash.SplashDtypeError, match="cannot combine a mask with int"):
         CausalMask() & 3
-    with pytest.raises(torch_splash.SplashConstraintError, match="cannot combine a mask with int"):
+    with pytest.raises(torch_splash.SplashDtypeError, match="cannot combine a mask with int"):
         from_mask_mod(lambda b, h, q, kv: q >= kv) | 3
     with pytest.raises(torch_splash.SplashConstraintError, match="per-head masks of 2 and 3 heads"):
         MultiHeadMask((FullMask(), FullMask())) & MultiHeadMask((FullMask(),) * 3)
-    with pytest.raises(torch_splash.SplashConstraintError, match="from_tensor takes a bool torch.Tensor"):
+    with pytest.raises(torch_splash.SplashDtypeError, match="from_tensor takes a bool torch.Tensor"):
         from_tensor([1])
 
 

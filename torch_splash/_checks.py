@@ -167,7 +167,9 @@ def _check_segment_ids(segment_ids, batch, q_len, kv_len, device):
 def _check_number(name: str, value, positive: bool) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SplashDtypeError(f"{name}={value!r}: expected a finite float or None.")
+    if not math.isfinite(value):
         raise SplashConstraintError(f"{name}={value!r}: expected a finite float or None.")
     if positive and value <= 0:
         raise SplashConstraintError(f"{name}={value!r}: must be > 0 (or None to disable).")

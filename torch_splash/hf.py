@@ -25,7 +25,7 @@ from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError
+from torch_splash_jax import SplashConstraintError, SplashDtypeError
 
 from . import masks as _masks
 from .api import attention
@@ -305,10 +305,10 @@ def patch(model, name: str = NAME):
         The same model, now running attention through splash.
 
     Raises:
-        SplashConstraintError: `model` is not a transformers model.
+        SplashDtypeError: `model` is not a transformers model.
     """
     if not callable(getattr(model, "set_attn_implementation", None)):
-        raise SplashConstraintError(
+        raise SplashDtypeError(
             f"patch() takes a transformers PreTrainedModel, got {type(model).__name__}: load the model with "
             'transformers first (or pass attn_implementation="splash" to from_pretrained / from_config).'
         )

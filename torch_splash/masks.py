@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from torch_splash_jax import SplashConstraintError, policy
+from torch_splash_jax import SplashConstraintError, SplashDtypeError, policy
 from torch_splash_jax.masks import (
     STRUCTURED,
     CausalMask,
@@ -65,12 +65,13 @@ def from_tensor(mask: torch.Tensor) -> Mask:
         A mask for `torch_splash.attention` at exactly that (Lq, Lkv); its partial blocks are stored.
 
     Raises:
-        SplashConstraintError: not a tensor, not bool, or of another rank.
+        SplashDtypeError: not a tensor, or not bool.
+        SplashConstraintError: of another rank.
     """
     if not isinstance(mask, torch.Tensor):
-        raise SplashConstraintError(f"from_tensor takes a bool torch.Tensor, got {type(mask).__name__}.")
+        raise SplashDtypeError(f"from_tensor takes a bool torch.Tensor, got {type(mask).__name__}.")
     if mask.dtype != torch.bool:
-        raise SplashConstraintError(
+        raise SplashDtypeError(
             f"mask has dtype {mask.dtype}: pass a bool mask (True = attend). For SDPA-style float "
             "masks of 0 and -inf use torch_splash.scaled_dot_product_attention."
         )
@@ -161,11 +162,12 @@ def from_mask_mod(fn) -> MaskMod:
         A mask that composes with every other under ``&`` and ``|``, resolved at call time.
 
     Raises:
-        SplashConstraintError: `fn` is not callable; at call time, it does not return a bool tensor
-            or depends on b (express per-sequence structure with ``segment_ids``).
+        SplashDtypeError: `fn` is not callable, or at call time does not return a bool tensor.
+        SplashConstraintError: at call time, it depends on b (express per-sequence structure with
+            ``segment_ids``).
     """
     if not callable(fn):
-        raise SplashConstraintError(
+        raise SplashDtypeError(
             f"from_mask_mod takes a callable mask_mod(b, h, q_idx, kv_idx), got {type(fn).__name__}."
         )
     return MaskMod(fn)
@@ -180,7 +182,7 @@ def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Ma
     def evaluate(b: int) -> torch.Tensor:
         out = fn(torch.tensor(b), h, q, kv)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            raise SplashConstraintError(
+            raise SplashDtypeError(
                 f"mask_mod {getattr(fn, '__name__', fn)!r} returned {type(out).__name__}"
                 f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}: "
                 "it must return a bool tensor."
@@ -214,7 +216,7 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
         return from_tensor(mask)
     if isinstance(mask, (list, tuple)):
         return MultiHeadMask(tuple(normalize(m, batch, heads, q_len, kv_len) for m in mask))
-    raise SplashConstraintError(
+    raise SplashDtypeError(
         f"mask of type {type(mask).__name__}: pass None, 'causal', a torch_splash.masks mask, a bool "
         "tensor, from_mask_mod(fn), or a list with one mask per query head."
     )

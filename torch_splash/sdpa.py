@@ -153,7 +153,7 @@ def masked_attention(query, key, value, attn_mask, **options):
     """`attention(query, key, value, ...)` under an SDPA-style mask tensor (bool, or float 0/-inf
     broadcastable to (B, Hq, Lq, Lkv)); `options` (scale, soft_cap) pass through to `attention`."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise SplashConstraintError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
+        raise SplashDtypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}.")
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if isinstance(attn_mask, CausalBias):
         return attention(query, key, value, _causal_bias_mask(attn_mask, q_len, kv_len), **options)

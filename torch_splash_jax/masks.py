@@ -16,7 +16,7 @@ import operator
 import numpy as np
 
 from . import compat
-from .errors import SplashConstraintError
+from .errors import SplashConstraintError, SplashDtypeError
 from .options import Immutable
 
 
@@ -24,7 +24,7 @@ def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimu
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SplashConstraintError(f"{owner}: {name}={value!r} must be an int{' or None' if allow_none else ''}.")
+        raise SplashDtypeError(f"{owner}: {name}={value!r} must be an int{' or None' if allow_none else ''}.")
     if minimum is not None and value < minimum:
         raise SplashConstraintError(f"{owner}: {name}={value!r} must be >= {minimum}.")
     if abs(value) > _INT_LIMIT:
@@ -106,9 +106,9 @@ class Mask(Immutable):
         raise SplashConstraintError("Masks have no truth value: combine them with & and |, not 'and' / 'or'.")
 
 
-def not_a_mask(value) -> SplashConstraintError:
+def not_a_mask(value) -> SplashDtypeError:
     """The refusal of a non-mask operand of & or | (the torch side's masks raise it too)."""
-    return SplashConstraintError(
+    return SplashDtypeError(
         f"cannot combine a mask with {type(value).__name__}: combine torch_splash.masks masks (a bool tensor "
         "goes through masks.from_tensor, a mask_mod through masks.from_mask_mod)."
     )
@@ -364,7 +364,7 @@ class MultiHeadMask(Mask):
             raise SplashConstraintError("MultiHeadMask([]): give one mask per query head.")
         for m in masks:
             if not isinstance(m, Mask) or isinstance(m, MultiHeadMask):
-                raise SplashConstraintError(f"MultiHeadMask takes masks of a single head each, got {type(m).__name__}.")
+                raise SplashDtypeError(f"MultiHeadMask takes masks of a single head each, got {type(m).__name__}.")
         object.__setattr__(self, "masks", masks)
 
     @property

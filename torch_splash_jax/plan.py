@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from . import policy
-from .errors import SplashConstraintError
+from .errors import SplashConstraintError, SplashDtypeError
 from .masks import FullMask, MultiHeadMask, shared_structured_mask
 from .options import Immutable
 
@@ -274,13 +274,15 @@ def _check_user_blocks(bs: BlockSizes) -> None:
         where = f"block_sizes.{field.name}={value!r}"
         if field.name == "use_fused_bwd_kernel":
             if not isinstance(value, bool):
-                raise SplashConstraintError(f"{where}: must be True, False or None (planned).")
+                raise SplashDtypeError(f"{where}: must be True, False or None (planned).")
             continue
         if field.name.endswith("_layout"):
             if value not in _LAYOUTS:
                 raise SplashConstraintError(f"{where}: must be one of {_LAYOUTS} or None.")
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SplashDtypeError(f"{where}: block sizes are positive ints, or None to plan them.")
+        if value <= 0:
             raise SplashConstraintError(f"{where}: block sizes are positive ints, or None to plan them.")
         if field.name in _KV_FIELDS and value % LANES:
             raise SplashConstraintError(
@@ -562,7 +564,7 @@ def plan(
     if block_sizes is None:
         block_sizes = BlockSizes()
     elif not isinstance(block_sizes, BlockSizes):
-        raise SplashConstraintError(
+        raise SplashDtypeError(
             f"block_sizes={block_sizes!r}: pass torch_splash.BlockSizes(...) (fields left None are "
             "planned), or None to plan them all."
         )
