@@ -11,7 +11,8 @@ def pytest_configure(config):
     # Start torch_xla's runtime before any CPU backward: a CPU backward first leaves autograd
     # without a ready queue for the XLA device, and a later XLA backward then fails (docs/design.md,
     # "Constraints that bind").
-    # Where torch_xla is not installed (the current set, tests/README), its tests are deselected.
+    # Where torch_xla is not installed (the current set: dev.sh runs it with -m "not xla"), its
+    # tests are deselected.
     try:
         import torch_xla
     except ImportError:
