@@ -369,3 +369,37 @@ def test_the_planner_s_choices_always_compile(compile_one, heads, q_len, kv_len,
     )
     results = compile_one(case)
     assert len(results) == 3 and not [r for r in results if "error" in r], results
+
+
+def test_the_jax_side_plans_builds_tables_and_compiles_for_tpu_without_torch():
+    """torch_splash_jax never imports torch (nor torch_xla, TorchTPU or transformers): with torch,
+    TorchTPU and transformers made unimportable (torch_xla cannot import without torch), the worker
+    plans a call, builds its block tables and programs, and the TPU compiler compiles the forward,
+    backward and inference programs."""
+    # torch_xla stays findable (the worker then hands the in-graph transport's HLO module to the
+    # compiler, as on the torch_xla set) but cannot be imported without torch.
+    blocked, torch_world = ("torch", "torch_tpu", "transformers"), ("torch", "torch_xla", "torch_tpu", "transformers")
+    script = (
+        "import runpy, sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # `import name` raises ImportError\n"
+        f"sys.argv = [{str(WORKER)!r}, 'programs', 'v5e']\n"
+        f"runpy.run_path({str(WORKER)!r}, run_name='__main__')\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{torch_world!r} and sys.modules[m] is not None)\n"
+        "print('{\"loaded\": %s}' % str(loaded).replace(\"'\", '\"'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input=_lines([DEFAULT[1]]),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_environment(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert results[-1] == {"loaded": []}, results[-1]
+    compiled = {r["kind"]: r for r in results if "case" in r}
+    assert set(compiled) == set(KINDS), results
+    assert all("error" not in r and r["bytes"] > 0 and r["mosaic_calls"] >= 1 for r in compiled.values()), results

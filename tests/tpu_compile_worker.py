@@ -192,8 +192,9 @@ def step(spmd: bool) -> None:
     import torch_xla
 
     import torch_splash
+    from torch_splash import _compat
     from torch_splash.fit import planned_for_tpu
-    from torch_splash_jax import aot, compat
+    from torch_splash_jax import aot
 
     with planned_for_tpu():  # plan and lower the kernels for TPU
         device = torch_xla.device()
@@ -218,7 +219,7 @@ def step(spmd: bool) -> None:
 
         for name, attention in (("splash", splash), ("sdpa", sdpa)):
             tensors = _tiny_model_step(device, attention)
-            text = compat.pending_hlo_text(tensors)
+            text = _compat.pending_hlo_text(tensors)
             try:
                 memory = aot.compile_hlo(aot.hlo_text_to_proto(text), "v5e", partitions=4 if spmd else 1)
                 _emit(

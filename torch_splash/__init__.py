@@ -1,11 +1,15 @@
 """torch_splash: JAX's Pallas splash attention for PyTorch, with gradients."""
 
-# torch_splash_jax checks the Python, JAX and numpy versions and keeps JAX off a TPU that torch_xla or
-# TorchTPU owns before it imports JAX (torch_splash_jax.compat); torch is checked here.
-from torch_splash_jax import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
-from torch_splash_jax import compat as _compat
+# Before anything imports JAX: keep JAX off a TPU that torch_xla or TorchTPU owns (_compat).
+from . import _compat
 
-_compat.check_versions(("torch",))
+_compat.keep_jax_off_the_tpu()
+
+# torch_splash_jax checks the Python, JAX and numpy versions (torch_splash_jax.compat); torch here.
+from torch_splash_jax import BlockSizes, SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
+from torch_splash_jax import compat as _jax_compat
+
+_jax_compat.check_versions(("torch",))
 
 from . import masks
 from .api import attention

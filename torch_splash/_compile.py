@@ -13,16 +13,15 @@ import dataclasses
 import functools
 import operator
 
-import torch
-
 import torch_splash_jax
 from torch_splash_jax import policy
 from torch_splash_jax.masks import STRUCTURED, Mask
 
+from . import _compat
 from . import masks as _masks
 
 for _option in (torch_splash_jax.BlockSizes, *_masks.TYPES):
-    torch.utils._pytree.register_constant(_option)
+    _compat.register_constant(_option)
 
 
 # Structured masks cross into torch.compile's nonstrict_trace region as the text of their

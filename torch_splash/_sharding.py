@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError, compat, policy
+from torch_splash_jax import SplashConstraintError, policy
 from torch_splash_jax import transport as jax_transport
 
-from . import _checks, _transport
+from . import _checks, _compat, _transport
 
 # How each named input of a program is sharded under SPMD (`Sharding.spec`).
 ROLES = {"q": "q", "k": "kv", "v": "kv", "q_ids": "q_ids", "kv_ids": "kv_ids", "sinks": "sinks"}
@@ -239,12 +239,12 @@ class Sharding:
 # One in-graph function per shapes and devices: torch_xla then sees the same graph every step.
 @functools.lru_cache(maxsize=policy.IN_GRAPH)
 def _permute_function(args: tuple, pairs: tuple):
-    return compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))
+    return _compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))
 
 
 @functools.lru_cache(maxsize=policy.IN_GRAPH)
 def _exchange_function(args: tuple, dims: tuple, moves: tuple, in_turn: bool):
-    return compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves, in_turn))
+    return _compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves, in_turn))
 
 
 def _joined(*entries):
@@ -348,5 +348,5 @@ def check(
 def _sequence_tiles(t: torch.Tensor) -> int:
     """How many ways torch_xla's sharding annotation of a 4-D tensor splits dim 2, its sequence (1
     when it has none: a tensor computed in the pending graph has none until it runs)."""
-    found = re.search(r"devices=\[([\d,]+)\]", compat.sharding_spec(t))
+    found = re.search(r"devices=\[([\d,]+)\]", _compat.sharding_spec(t))
     return int(found.group(1).split(",")[2]) if found else 1

@@ -30,6 +30,8 @@ import torch
 from torch_splash_jax import SplashConstraintError, compat, mosaic, policy
 from torch_splash_jax.transport import from_capsule, hlo_module, numbered, numbered_program, program_number
 
+from . import _compat
+
 TRANSPORTS = ("dlpack", "graph", "torchtpu")
 # Where each transport's package comes from, for the refusal when it is missing.
 _PACKAGES = {"graph": ("torch_xla", "xla"), "torchtpu": ("torch_tpu", "torchtpu")}
@@ -81,7 +83,7 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
         return requested
     if on_tpu:
         return "graph"
-    return "graph" if compat.needs_materialization(tensors) else "dlpack"
+    return "graph" if _compat.needs_materialization(tensors) else "dlpack"
 
 
 def run(fn, tensors: list[torch.Tensor], transport: str, platform: str) -> list[torch.Tensor]:
@@ -106,7 +108,7 @@ def _in_graph(number: int, args: tuple, platform: str):
     every step and compiles it once. Keyed on the number, so the cache keeps no program alive."""
     fn = numbered(number)
     name = f"splash_{getattr(fn, '__name__', 'program').lstrip('_')}"
-    return compat.in_graph_function(name, hlo_module(fn, args, platform))
+    return _compat.in_graph_function(name, hlo_module(fn, args, platform))
 
 
 @functools.cache
@@ -183,7 +185,7 @@ def to_jax(tensors: list[torch.Tensor]) -> list:
         return [from_capsule(t.__dlpack__()) for t in tensors]
     import torch_xla.utils.dlpack as xla_dlpack
 
-    compat.materialize(tensors)
+    _compat.materialize(tensors)
     return [from_capsule(xla_dlpack.to_dlpack(t)) for t in tensors]
 
 

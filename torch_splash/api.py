@@ -11,7 +11,7 @@ import torch
 
 import torch_splash_jax
 
-from . import _checks, _compile, _ops, _sharding, _transport
+from . import _checks, _compat, _compile, _ops, _sharding, _transport
 
 
 def _plan(
@@ -69,7 +69,7 @@ def attention(
 
     Args:
         q: (B, Hq, Lq, D), or (Hq, Lq, D) unbatched; float32, bfloat16 or float16 (computed in
-            float32), on the CPU or a torch_xla device.
+            float32), on the CPU, a torch_xla device or TorchTPU's "tpu" device.
         k: (B, Hkv, Lkv, D). Hq must be a multiple of Hkv: query head h uses kv head
             h // (Hq / Hkv), as SDPA's ``enable_gqa``; Hkv == 1 runs the MQA kernel.
         v: (B, Hkv, Lkv, Dv).
@@ -81,12 +81,15 @@ def attention(
             (B, Lkv)): a query sees only keys with its own id (packed documents).
         soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits (Gemma 2).
         block_sizes: ``BlockSizes(...)``; fields left None are planned for the platform.
-        transport: "dlpack" or "graph" (torch_xla's lazy graph); default: the environment variable
-            TORCH_SPLASH_TRANSPORT, else in-graph on TPU and whenever a torch_xla input is part of a
-            pending lazy graph, DLPack otherwise.
+        transport: "dlpack", "graph" (torch_xla's lazy graph) or "torchtpu" (TorchTPU's
+            ``torch.tpu.pallas.jax_op``, the only one for its tensors); default: the environment
+            variable TORCH_SPLASH_TRANSPORT, else "torchtpu" for TorchTPU tensors, in-graph on
+            torch_xla's TPU and whenever a torch_xla input is part of a pending lazy graph, DLPack
+            otherwise.
         partition_spec: under torch_xla SPMD, the mesh axes q, k, v are sharded over, e.g.
-            ("data", "model", "seq", None): batch, heads and the query sequence (k and v are gathered
-            whole); each device runs the kernels on its shard.
+            ("data", "model", "seq", None): batch, heads and the query sequence (k and v gathered
+            whole, or passed around with ``context_parallel="ring"``); each device runs the kernels
+            on its shard. torch_xla only.
         mesh: the torch_xla ``Mesh`` of ``partition_spec``; default: the global mesh.
         sequence_layout: with the query sequence sharded, "contiguous" (default: each device holds
             consecutive rows) or "balanced" (each device holds two mirrored chunks, so that causal
@@ -131,7 +134,7 @@ def attention(
 
 # Under torch.compile, Dynamo does not trace this body (checks and planning: plain Python on
 # shapes): it runs on fake tensors while the graph is built and leaves only the custom ops in it.
-@torch._dynamo.nonstrict_trace
+@_compat.nonstrict_trace
 def _attention(
     q,
     k,
@@ -159,7 +162,7 @@ def _attention(
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     transport_for_inputs = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
     plan = _plan(call, block_sizes, call.platform, sharding)
-    traced = torch._subclasses.fake_tensor.is_fake(call.q)  # torch.compile: the graph keeps the number
+    traced = _compat.is_fake(call.q)  # torch.compile: the graph keeps the number
     plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)

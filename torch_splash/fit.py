@@ -3,8 +3,8 @@
     python -m torch_splash.fit --topology v5e:2x2 train.py [script args]
 
 runs an unmodified torch_xla script (PJRT_DEVICE=CPU) up to its first step boundary
-(`torch_xla.sync()`, `xm.mark_step()`, `xm.optimizer_step(...)`, or the end of a
-`torch_xla.compile`d step), with torch_splash's kernels planned and lowered for TPU, takes the
+(`torch_xla.sync()`, `xm.mark_step()` or `xm.optimizer_step(...)`; not `torch_xla.compile`, whose
+own syncs are not intercepted), with torch_splash's kernels planned and lowered for TPU, takes the
 graph that step built without executing it, compiles it with the TPU compiler (libtpu,
 deviceless) for the named topology, prints a report and exits. `check(step_fn, *args,
 topology=...)` does the same for a function that runs one step and returns a `Report`;
@@ -39,7 +39,7 @@ import torch
 
 from torch_splash_jax import SplashConstraintError, aot, compat, mosaic
 
-from . import _transport
+from . import _compat, _transport
 from ._transport import planned_for_tpu
 
 __all__ = ["Report", "check", "kernel_time", "largest_fitting", "main", "planned_for_tpu"]
@@ -222,7 +222,7 @@ def _live_pending_tensors() -> list[torch.Tensor]:
                 for value in obj:
                     add(value)
     tensors = list(found.values())
-    return [t for t, p in zip(tensors, compat.needs_materialization_each(tensors)) if p] if tensors else []
+    return [t for t, p in zip(tensors, _compat.needs_materialization_each(tensors)) if p] if tensors else []
 
 
 @contextlib.contextmanager
@@ -303,7 +303,7 @@ def check(step_fn, *args, topology: str = "v5e", estimate_time: bool = False, **
     parse_topology(topology)
     with _building_one_step(), _transport.recording_plans() as calls:
         step_fn(*args, **kwargs)
-        hlo = compat.pending_hlo_text(_live_pending_tensors())
+        hlo = _compat.pending_hlo_text(_live_pending_tensors())
     report = compile_step_hlo(hlo, topology, _partitions())
     return _with_time(report, calls) if estimate_time else report
 
@@ -356,7 +356,7 @@ def _stopping_at_the_first_boundary(graph: list):
     import torch_xla.core.xla_model as xm
 
     def boundary(*args, **kwargs):
-        graph.append(compat.pending_hlo_text(_live_pending_tensors()))
+        graph.append(_compat.pending_hlo_text(_live_pending_tensors()))
         raise _StepBoundary
 
     def optimizer_step(optimizer, *args, **kwargs):
@@ -387,7 +387,7 @@ def run_script(script: str, script_args: list[str], topology: str, estimate_time
     if not graph:
         raise SplashConstraintError(
             f"{script} ended without a step boundary (torch_xla.sync(), xm.mark_step(), "
-            "xm.optimizer_step(...) or a torch_xla.compile'd step): there is no step to check."
+            "xm.optimizer_step(...)): there is no step to check."
         )
     report = compile_step_hlo(graph[0], topology, _partitions())
     return _with_time(report, calls) if estimate_time else report

@@ -4,9 +4,8 @@ from . import compat
 from .errors import SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
 
 compat.check_versions()
-compat.keep_jax_off_the_tpu()  # before any module below imports JAX
 
-from .kernels import TRACES, Program, program
+from .kernels import TRACES, Program
 from .masks import (
     CausalMask,
     ChunkedCausalMask,
@@ -26,6 +25,7 @@ from .plan import (
     lane_padded,
     plan,
 )
+from .programs import program
 
 __all__ = [
     "BlockSizes",

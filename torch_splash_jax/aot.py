@@ -5,7 +5,7 @@ libtpu must be importable and JAX kept on the CPU; `environment(libtpu_dir)` is 
 process needs for that. torch_splash.fit (users' own steps), the test suite and the benchmarks run
 it in processes of their own, so JAX never takes libtpu for a backend in ordinary runs. Any HLO
 module compiles the same way: torch_splash's programs as the in-graph transport hands them to
-torch_xla, whole torch_xla training steps (`torch_splash_jax.compat.pending_hlo_text`, through
+torch_xla, whole torch_xla training steps (`torch_splash._compat.pending_hlo_text`, through
 `hlo_text_to_proto`), and the StableHLO modules TorchTPU's `jax_op` exports (`compile_stablehlo`).
 """
 

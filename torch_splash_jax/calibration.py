@@ -22,6 +22,7 @@ import math
 import pathlib
 import re
 import statistics
+import sys
 
 import numpy as np
 
@@ -344,3 +345,21 @@ def result_json(result: Calibrated) -> dict:
             rest_ms=result.estimate.rest_seconds * 1e3,
         )
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m torch_splash_jax.tpu_time calibrate ...` runs this in a process that dumps schedules."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m torch_splash_jax.tpu_time calibrate")
+    parser.add_argument("--generation", required=True)
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args(argv)
+    results = calibrate(options.generation, options.direction, options.limit, json_path=options.json)
+    return 0 if any(r.estimate is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

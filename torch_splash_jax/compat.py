@@ -1,20 +1,20 @@
-"""The one home of every private or unstable API torch_splash relies on, and of its version ranges.
+"""The JAX side's one home of the private or unstable APIs torch_splash relies on, and of its
+version ranges (torch_splash._compat is the torch side's: torch and torch_xla internals).
 
 JAX's splash kernel is `jax.experimental` (its constructor, MaskInfo's fields and the residuals its
 custom_vjp keeps change between releases); lowering at a chosen Mosaic IR version, importing a
 DLPack capsule cheaply and compiling an HLO module for a TPU topology reach into `jax._src`; the
-in-graph transport and SPMD reach into `torch_xla._XLAC`; the TorchTPU stand-in of the tests
-replaces TorchTPU's kernel runtime. Each entry below says what it reaches for; `CHECKED` says
-which releases it was checked against. When a release moves one, the failure is a
-`SplashVersionError` naming the entry, the version found and the versions checked.
+TorchTPU stand-in of the tests replaces TorchTPU's kernel runtime. Each entry below says what it
+reaches for; `CHECKED` says which releases it was checked against. When a release moves one, the
+failure is a `SplashVersionError` naming the entry, the version found and the versions checked.
 
 `SUPPORTED` holds the version ranges pyproject.toml declares (a test keeps the two equal);
 `check_versions` refuses, at import, a Python, torch, JAX, jaxlib or numpy outside them, unless
 $TORCH_SPLASH_ALLOW_UNTESTED=1 turns the refusal into a warning.
 
 Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
-used, and the torch_xla and TorchTPU entries, called only by torch_splash's transports, import
-those packages when called (torch_splash_jax itself never imports torch).
+used, and the TorchTPU entries, called only by torch_splash's transport and the tests, import it
+when called (torch_splash_jax itself never imports torch).
 """
 
 from __future__ import annotations
@@ -115,40 +115,6 @@ def _moved(entry: str, error: BaseException) -> BaseException:
     )
 
 
-def keep_jax_off_the_tpu() -> None:
-    """On a TPU host torch_xla or TorchTPU owns the TPU, and JAX opening it too hangs torch_xla
-    (torch_xla issues 8793 and 8954) and competes with TorchTPU. JAX only lowers the kernels for
-    TPU, which needs no TPU backend (torch_splash_jax.transport.hlo_module), so JAX is kept on the CPU
-    unless the caller set JAX_PLATFORMS. TorchTPU installs libtpu where JAX finds it, so its
-    presence alone is the sign (on a machine without a TPU, JAX would otherwise try the TPU and
-    print libtpu's errors). If JAX is not imported yet, torch_xla opens the TPU first, as torch_xla's
-    own guard (`jax_import_guard`, private) does."""
-    import importlib.util
-
-    torch_xla_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
-    if not torch_xla_tpu and importlib.util.find_spec("torch_tpu") is None:
-        return
-    jax_came_first = "jax" in sys.modules
-    if torch_xla_tpu and not jax_came_first:
-        from torch_xla._internal.jax_workarounds import jax_import_guard
-
-        jax_import_guard()
-    import jax
-    from jax._src import xla_bridge
-
-    if os.environ.get("JAX_PLATFORMS"):
-        return
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
-    elif jax.devices()[0].platform != "cpu":
-        warnings.warn(
-            "torch_splash: JAX opened the TPU before torch_splash was imported, so torch_xla's or "
-            "TorchTPU's computations may hang (torch_xla issue 8793). Import torch_splash before "
-            "running JAX code, or set JAX_PLATFORMS=cpu.",
-            stacklevel=4,
-        )
-
-
 # --- JAX: the splash kernel package (jax.experimental.pallas.ops.tpu.splash_attention) ---------
 
 
@@ -160,6 +126,15 @@ def splash_modules():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
 
     return kernel, mask, mask_info
+
+
+def splash_kernel(fwd_info, dq_info, dkv_info, **options):
+    """The SplashAttentionKernel `make_splash_mha/mqa` would build, from its forward, dq and dkv
+    MaskInfos. Its constructor is not public: its keyword arguments changed between releases."""
+    try:
+        return splash_modules()[0].SplashAttentionKernel(fwd_info, dq_info, dkv_info, **options)
+    except TypeError as error:
+        raise _moved("splash_attention_kernel.SplashAttentionKernel(...)", error) from None
 
 
 def call_splash_kernel(kernel, *args):
@@ -356,49 +331,6 @@ def run_portable_artifact_on_cpu(serialized: bytes, arrays: list) -> list:
     )
     results = executable.execute_sharded([jax.device_put(a, device) for a in arrays])
     return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
-
-
-# --- torch_xla (torch_xla._XLAC, torch_xla._internal, torch_xla.core.xla_builder) --------------
-
-
-def needs_materialization_each(tensors) -> list[bool]:
-    """For each torch_xla tensor, whether it is part of a pending (unexecuted) lazy graph."""
-    import torch_xla
-
-    return list(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
-
-
-def needs_materialization(tensors) -> bool:
-    return any(needs_materialization_each(tensors))
-
-
-def materialize(tensors) -> None:
-    """Execute the pending graph of these torch_xla tensors and wait for it."""
-    import torch_xla
-
-    torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True)
-
-
-def sharding_spec(tensor) -> str:
-    """torch_xla's sharding annotation of a tensor, as text ("" when it has none)."""
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
-
-
-def pending_hlo_text(tensors) -> str:
-    """The HLO text of the pending graph that computes these torch_xla tensors."""
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
-
-
-def in_graph_function(name: str, hlo_module_proto: bytes):
-    """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
-    import torch_xla.core.xla_builder as xla_builder
-
-    computation = xla_builder.computation_from_module_proto(name, hlo_module_proto)
-    return xla_builder.xla_computation_as_func(computation, name)
 
 
 # --- TorchTPU (torch_tpu._internal.pallas) -----------------------------------------------------

@@ -25,16 +25,13 @@ return 0 with zero gradients, as SDPA does.
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
-import gc
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, policy
+from . import compat
 from . import masks as _masks
 from . import tables as _tables
 from .plan import Plan
@@ -46,6 +43,12 @@ TRACES: collections.Counter = collections.Counter()
 
 # A row whose logsumexp is below this saw only masked logits (DEFAULT_MASK_VALUE is about -2.4e38).
 _EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
+
+
+def row_has_keys(lse):
+    """Whether each row saw an allowed key: a row without one has a logsumexp near the kernels'
+    mask value, or -inf (a skipped q block, the ring's accumulators before any key)."""
+    return lse > _EMPTY_ROW_LSE
 
 
 def scaled(x, scale: float):
@@ -89,9 +92,9 @@ class Program:
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
         self._residual_tree = None
-        self.forward = jax.jit(self._forward)
-        self.backward = jax.jit(self._backward)
-        self.infer = jax.jit(self._infer)
+        self.forward = jax.jit(self.forward_body)
+        self.backward = jax.jit(self.backward_body)
+        self.infer = jax.jit(self.infer_body)
 
     def _pad(self, x, axis: int, length: int):
         extra = length - x.shape[axis]
@@ -240,7 +243,7 @@ class Program:
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
         if self.rows_may_be_empty:
-            out = jnp.where((lse > _EMPTY_ROW_LSE)[..., None], out, 0).astype(out.dtype)
+            out = jnp.where(row_has_keys(lse)[..., None], out, 0).astype(out.dtype)
         return out[:, :, : self.plan.q_len]
 
     def _nothing_visible(self, q, v):
@@ -248,7 +251,8 @@ class Program:
         out = jnp.zeros(q.shape[:2] + (p.q_len, v.shape[-1]), q.dtype)
         return out, jnp.full(q.shape[:2] + (p.q_len_padded,), -jnp.inf, jnp.float32)
 
-    def _forward(self, *arrays):
+    def forward_body(self, *arrays):
+        """What `forward` jits (a ring traces it into its steps' programs)."""
         TRACES["forward"] += 1
         q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
         if self.no_pairs:
@@ -270,7 +274,7 @@ class Program:
         self._residual_tree = tree
         return self._finish(out, lse), lse
 
-    def _infer(self, *arrays):
+    def infer_body(self, *arrays):
         TRACES["infer"] += 1
         q, k, v, ids, sinks, tables, _ = self._named("infer", arrays)
         if self.no_pairs:
@@ -281,7 +285,8 @@ class Program:
         kernel, _ = self._kernel_for(tables)
         return self._attend(kernel, *self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
 
-    def _backward(self, *arrays):
+    def backward_body(self, *arrays):
+        """What `backward` jits (a ring traces it into its steps' programs)."""
         TRACES["backward"] += 1
         p = self.plan
         q, k, v, ids, sinks, tables, named = self._named("backward", arrays)
@@ -293,7 +298,7 @@ class Program:
             # The residual layout is learnt by tracing the forward; a Program that has not run its
             # own forward (a backward after the cache evicted the forward's) traces it abstractly.
             structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays[: len(self.signature("forward"))]]
-            jax.eval_shape(self._forward, *structs)
+            jax.eval_shape(self.forward_body, *structs)
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         inputs = self._residual_sources(q, k, v, sinks, segment_ids) + self._kernel_for(tables)[1]
@@ -303,8 +308,8 @@ class Program:
             # A row that saw no key has logsumexp -inf (its q block was skipped) or about the mask
             # value; the dq/dkv kernels recompute p = exp(logit - logsumexp) from it, which is inf
             # there, and inf * 0 is NaN whatever d_out is. With +inf, p is 0 on those rows.
-            row_has_keys = (lse > _EMPTY_ROW_LSE)[..., None]
-            lse = jnp.where(row_has_keys[..., 0], lse, jnp.inf)
+            has_keys = row_has_keys(lse)[..., None]
+            lse = jnp.where(has_keys[..., 0], lse, jnp.inf)
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
         leaves = [
             inputs[value] if kind == "input" else found[kind] if kind in found else value
@@ -312,10 +317,10 @@ class Program:
         ]
         d_out = self._pad(d_out, 2, p.q_len_padded)
         if self.call_rows_may_be_empty:
-            d_out = jnp.where(row_has_keys, d_out, 0).astype(d_out.dtype)
+            d_out = jnp.where(has_keys, d_out, 0).astype(d_out.dtype)
         dq, dk, dv, *d_sinks = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
         if self.call_rows_may_be_empty:
-            dq = jnp.where(row_has_keys, dq, 0).astype(dq.dtype)
+            dq = jnp.where(has_keys, dq, 0).astype(dq.dtype)
         dq = dq[:, :, : p.q_len]
         dk = scaled(dk[..., : p.kv_len, :], p.scale)
         dv = dv[..., : p.kv_len, :]
@@ -428,11 +433,8 @@ def _only_shard(info: _mask_info.MaskInfo) -> _mask_info.MaskInfo:
 
 def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKernel:
     """The kernel `make_splash_mha/mqa` would build, from the forward, dq and dkv MaskInfos."""
-    fwd, dq, dkv = infos
-    return _splash.SplashAttentionKernel(
-        fwd,
-        dq,
-        dkv,
+    return compat.splash_kernel(
+        *infos,
         block_sizes=_jax_block_sizes(plan),
         is_mqa=plan.is_mqa,
         save_residuals=False,
@@ -442,64 +444,3 @@ def _kernel(plan: Plan, infos: list, mask_function) -> _splash.SplashAttentionKe
         mask_function=mask_function,
         interpret=plan.platform != "tpu",
     )
-
-
-class _ProgramCache:
-    """The programs of the most recently used plans. With $TORCH_SPLASH_CLEAR_JAX_CACHES=1, each
-    time the cache has turned over, JAX's caches are cleared and the freed heap returned to the OS
-    (torch_splash_jax.policy says why it is opt-in). The live programs then recompile on their
-    next call: at most once per turnover, and never for a workload whose shapes fit."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._programs: collections.OrderedDict[Plan, Program] = collections.OrderedDict()
-        self._evicted = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, plan: Plan) -> Program:
-        """The compiled program for a plan; a second call with an equal plan traces nothing."""
-        with self._lock:
-            found = self._programs.get(plan)
-            if found is not None:
-                self._programs.move_to_end(plan)
-                return found
-        built = _ring_program(plan) if plan.ring else Program(plan)  # outside the lock: tables can take seconds
-        with self._lock:
-            found = self._programs.setdefault(plan, built)
-            self._programs.move_to_end(plan)
-            while len(self._programs) > self.size:
-                self._programs.popitem(last=False)
-                self._evicted += 1
-            turned_over = self._evicted >= self.size
-            if turned_over:
-                self._evicted = 0
-        if turned_over and policy.CLEAR_JAX_CACHES:
-            _release_jax_caches()
-        return found
-
-    def __len__(self) -> int:
-        return len(self._programs)
-
-    def cache_clear(self) -> None:
-        with self._lock:
-            self._programs.clear()
-            self._evicted = 0
-
-
-def _ring_program(plan: Plan):
-    from .ring import RingProgram  # which builds on Program
-
-    return RingProgram(plan)
-
-
-def _release_jax_caches() -> None:
-    jax.clear_caches()
-    gc.collect()  # a Program and its jitted functions form a cycle
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed heap for reuse otherwise
-    except (OSError, AttributeError):  # not glibc: the freed memory is reused, just not returned
-        pass
-
-
-# TORCH_SPLASH_PROGRAM_CACHE_SIZE: how many plans keep their compiled programs (default 128).
-program = _ProgramCache(policy.PROGRAMS)

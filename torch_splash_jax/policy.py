@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-# torch_splash_jax.kernels.program: a plan's jitted forward, infer and backward with their block tables.
+# torch_splash_jax.programs.program: a plan's jitted forward, infer and backward with their block tables.
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
 PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
 # See the module docstring.

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kernels import _EMPTY_ROW_LSE, Program, scaled
+from .kernels import Program, row_has_keys, scaled
 from .plan import Plan, ring_steps
 
 
@@ -97,9 +97,9 @@ class RingProgram:
         q_len, dv = self.plan.q_len, self.plan.head_dim_v
 
         def attend():
-            out, lse = program._forward(*inputs)
+            out, lse = program.forward_body(*inputs)
             lse = lse[..., :q_len]
-            has_keys = lse > _EMPTY_ROW_LSE
+            has_keys = row_has_keys(lse)
             out, lse = jnp.where(has_keys[..., None], out, 0).astype(jnp.float32), jnp.where(has_keys, lse, -jnp.inf)
             return _merge(named["out_acc"], named["lse_acc"], out, lse) if step else (out, lse)
 
@@ -120,7 +120,7 @@ class RingProgram:
             total = jnp.logaddexp(lse, sinks)
             out = out * jnp.exp(lse - total)[..., None]
             lse = total
-        out = jnp.where(jnp.isfinite(lse)[..., None], out, 0).astype(self.plan.dtype)
+        out = jnp.where(row_has_keys(lse)[..., None], out, 0).astype(self.plan.dtype)
         # Padded rows: +inf, so the backward kernels give them no weight.
         pad = self.plan.q_len_padded - self.plan.q_len
         return out, jnp.pad(lse, [(0, 0), (0, 0), (0, pad)], constant_values=jnp.inf)
@@ -135,7 +135,7 @@ class RingProgram:
         # dtypes) and the select below drops them: zeros made in a branch are hoisted out of it by
         # XLA, and every step's would be alive at once. The sums happen outside the branch, so
         # that it need not wait for the dk and dv that arrive from the previous device.
-        grads = _where_work(has_work, lambda: tuple(program._backward(*inputs)[:3]), lambda: primals)
+        grads = _where_work(has_work, lambda: tuple(program.backward_body(*inputs)[:3]), lambda: primals)
         names = ("dq_acc", "dk_acc", "dv_acc")
         dtypes = [_accumulator_dtype(name, x.dtype) for name, x in zip(names, primals)]
         accumulated = [named[n] for n in names] if step else [jnp.zeros((), d) for d in dtypes]
@@ -154,7 +154,7 @@ class RingProgram:
     def _sinks_grad(self, out, lse, d_out, sinks):
         # d out / d sink = -p_sink * out per row, with p_sink = exp(sink - lse)
         lse = lse[..., : self.plan.q_len]
-        p_sink = jnp.where(jnp.isfinite(lse), jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse), 0)
+        p_sink = jnp.where(row_has_keys(lse), jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse), 0)
         rows = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
         return (-(p_sink * rows).sum(axis=(0, 2))).astype(sinks.dtype)
 

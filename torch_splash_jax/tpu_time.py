@@ -37,6 +37,7 @@ import math
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import tempfile
 
@@ -676,7 +677,6 @@ def estimate_in_subprocess(plan, generation: str, backward: bool = True, libtpu_
     """`splash_estimate` in a process of its own, started with libtpu's dump flags (they are read
     once, when libtpu loads, so the calling process keeps its own JAX state)."""
     import pickle
-    import subprocess
 
     chip(generation)
     with tempfile.TemporaryDirectory(prefix="torch-splash-schedules-") as directory:
@@ -734,13 +734,15 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--forward-only", action="store_true")
     options = parser.parse_args(argv)
     chip(options.generation)
+    argv = sys.argv[1:] if argv is None else argv
+    # calibrate runs calibration's own entry point (calibration builds on this module)
+    command = ["torch_splash_jax.calibration", *argv[1:]] if options.command == "calibrate" else None
     if not os.environ.get(_IN_PROCESS):
         with tempfile.TemporaryDirectory(prefix="torch-splash-schedules-") as directory:
-            import subprocess
-
             env = environment(_libtpu_dir(), directory)
-            argv = sys.argv[1:] if argv is None else argv
-            return subprocess.call([sys.executable, "-m", "torch_splash_jax.tpu_time", *argv], env=env)
+            return subprocess.call([sys.executable, "-m", *(command or ["torch_splash_jax.tpu_time", *argv])], env=env)
+    if command:
+        return subprocess.call([sys.executable, "-m", *command])
     if options.command == "estimate":
         import pickle
 
@@ -750,11 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         except (SplashConstraintError, ScheduleError) as error:
             result = dict(error=str(error))
         print(json.dumps(result), flush=True)
-        return 0
-    from . import calibration
-
-    results = calibration.calibrate(options.generation, options.direction, options.limit, json_path=options.json)
-    return 0 if any(r.estimate is not None for r in results) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""The design's rules about what may import what, read from the source (docs/design.md, "Layout"):
+
+- torch_splash_jax imports neither torch nor what builds on it (torch_xla, TorchTPU, transformers);
+  test_tpu_compile.py runs it with those unimportable;
+- no import cycles among the package's modules, lazy (function-level) imports included;
+- private names (a leading underscore) of JAX, torch, torch_xla, TorchTPU, transformers or tokamax
+  are reached only from the compatibility modules, and no module reaches for another module's
+  private names."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("torch_splash", "torch_splash_jax")
+COMPAT = {"torch_splash._compat", "torch_splash_jax.compat"}
+EXTERNAL = ("jax", "jaxlib", "torch", "torch_xla", "torch_tpu", "transformers", "tokamax")
+TORCH_WORLD = ("torch", "torch_xla", "torch_tpu", "transformers")
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found[name] = ast.parse(path.read_text(), filename=str(path))
+    return found
+
+
+def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every import in the module, at any depth."""
+    package = name if name in PACKAGES else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            out.append((base, [alias.name for alias in node.names], node.lineno))
+    return out
+
+
+def _internal_targets(modules: dict, imported: str, names: list[str]) -> list[str]:
+    """The package modules an import reaches: the module itself, and any submodule it names."""
+    targets = [imported] if imported in modules else []
+    return targets + [f"{imported}.{n}" for n in names if f"{imported}.{n}" in modules]
+
+
+def test_the_jax_side_imports_nothing_of_torch():
+    offending = [
+        f"{name}:{line} imports {imported}"
+        for name, tree in _modules().items()
+        if name.startswith("torch_splash_jax")
+        for imported, _, line in _imports(name, tree)
+        if imported.split(".")[0] in TORCH_WORLD
+    ]
+    assert not offending, offending
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {
+        name: {
+            target
+            for imported, names, _ in _imports(name, tree)
+            for target in _internal_targets(modules, imported, names)
+            if target != name and not name.startswith(target + ".")  # a package's own __init__
+        }
+        for name, tree in modules.items()
+    }
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = [cycle for cycle in map(cycle_from, graph) if cycle]
+    assert not cycles, cycles
+
+
+def _private(attribute: str) -> bool:
+    return attribute.startswith("_") and not attribute.startswith("__")
+
+
+def test_private_names_are_reached_only_from_the_compatibility_modules():
+    modules = _modules()
+    offending = []
+    for name, tree in modules.items():
+        aliases = {}  # local name -> the module it is bound to
+        for imported, names, line in _imports(name, tree):
+            internal = imported.split(".")[0] in PACKAGES
+            if not internal and name in COMPAT:
+                continue
+            if not internal and imported.split(".")[0] in EXTERNAL:
+                if any(_private(part) for part in imported.split(".")) or any(map(_private, names)):
+                    offending.append(f"{name}:{line} imports a private name of {imported}")
+            if (
+                internal
+                and any(_private(n) for n in names)
+                and not (imported == name.rsplit(".", 1)[0] and all(f"{imported}.{n}" in modules for n in names))
+            ):
+                offending.append(f"{name}:{line} imports private {names} from {imported}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                for alias in node.names:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        if name in COMPAT:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and aliases.get(root.id, "").split(".")[0] in EXTERNAL:
+                    offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
+    assert not offending, "\n".join(offending)

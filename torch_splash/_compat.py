@@ -1,0 +1,120 @@
+"""The torch side's one home of the private or unstable APIs of torch and torch_xla it relies on,
+and of the device guard that runs before JAX is imported.
+
+torch_splash_jax.compat is the JAX side's twin (JAX's splash internals, jax._src, TorchTPU's kernel
+runtime, the version ranges); torch_splash_jax itself never imports torch or torch_xla, so what
+needs them lives here. Each entry says what it reaches for; `CHECKED` says which releases it was
+checked against (the tested sets in locks/). Importing this module imports neither JAX nor torch:
+torch_splash's `__init__` runs `keep_jax_off_the_tpu` first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+
+CHECKED = {"torch": ("2.9.0", "2.14.1"), "torch_xla": ("2.9.0",)}
+
+
+# --- The device guard (torch_xla._internal.jax_workarounds) -------------------------------------
+
+
+def keep_jax_off_the_tpu() -> None:
+    """On a TPU host torch_xla or TorchTPU owns the TPU, and JAX opening it too hangs torch_xla
+    (torch_xla issues 8793 and 8954) and competes with TorchTPU. JAX only lowers the kernels for
+    TPU, which needs no TPU backend (torch_splash_jax.transport.hlo_module), so JAX is kept on the CPU
+    unless the caller set JAX_PLATFORMS. TorchTPU installs libtpu where JAX finds it, so its
+    presence alone is the sign (on a machine without a TPU, JAX would otherwise try the TPU and
+    print libtpu's errors). If JAX is not imported yet, torch_xla opens the TPU first, as torch_xla's
+    own guard (`jax_import_guard`, private) does."""
+    torch_xla_tpu = os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+    if not torch_xla_tpu and importlib.util.find_spec("torch_tpu") is None:
+        return
+    jax_came_first = "jax" in sys.modules
+    if torch_xla_tpu and not jax_came_first:
+        from torch_xla._internal.jax_workarounds import jax_import_guard
+
+        jax_import_guard()
+    import jax
+    from jax._src import xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+    elif jax.devices()[0].platform != "cpu":
+        warnings.warn(
+            "torch_splash: JAX opened the TPU before torch_splash was imported, so torch_xla's or "
+            "TorchTPU's computations may hang (torch_xla issue 8793). Import torch_splash before "
+            "running JAX code, or set JAX_PLATFORMS=cpu.",
+            stacklevel=4,
+        )
+
+
+# --- torch (torch._dynamo, torch._subclasses, torch.utils._pytree) ------------------------------
+
+
+def nonstrict_trace(fn):
+    """Dynamo runs `fn` as plain Python on fake tensors and keeps only what it calls in the graph."""
+    import torch
+
+    return torch._dynamo.nonstrict_trace(fn)
+
+
+def is_fake(tensor) -> bool:
+    """Whether `tensor` is a FakeTensor (torch.compile is building a graph)."""
+    import torch
+
+    return torch._subclasses.fake_tensor.is_fake(tensor)
+
+
+def register_constant(cls: type) -> None:
+    """Dynamo passes instances of `cls` into a nonstrict_trace region as constants it guards on."""
+    import torch
+
+    torch.utils._pytree.register_constant(cls)
+
+
+# --- torch_xla (torch_xla._XLAC, torch_xla.core.xla_builder) ------------------------------------
+
+
+def needs_materialization_each(tensors) -> list[bool]:
+    """For each torch_xla tensor, whether it is part of a pending (unexecuted) lazy graph."""
+    import torch_xla
+
+    return list(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+
+
+def needs_materialization(tensors) -> bool:
+    return any(needs_materialization_each(tensors))
+
+
+def materialize(tensors) -> None:
+    """Execute the pending graph of these torch_xla tensors and wait for it."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=True)
+
+
+def sharding_spec(tensor) -> str:
+    """torch_xla's sharding annotation of a tensor, as text ("" when it has none)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def pending_hlo_text(tensors) -> str:
+    """The HLO text of the pending graph that computes these torch_xla tensors."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def in_graph_function(name: str, hlo_module_proto: bytes):
+    """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
+    import torch_xla.core.xla_builder as xla_builder
+
+    computation = xla_builder.computation_from_module_proto(name, hlo_module_proto)
+    return xla_builder.xla_computation_as_func(computation, name)
