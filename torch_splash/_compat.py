@@ -1,5 +1,5 @@
-"""The torch side's one home of the private or unstable APIs of torch and torch_xla it relies on,
-and of the device guard that runs before JAX is imported.
+"""The torch side's one home of the private or unstable APIs of torch, torch_xla and transformers
+it relies on, and of the device guard that runs before JAX is imported.
 
 torch_splash_jax.compat is the JAX side's twin (JAX's splash internals, jax._src, TorchTPU's kernel
 runtime, the version ranges); torch_splash_jax itself never imports torch or torch_xla, so what
@@ -10,12 +10,13 @@ torch_splash's `__init__` runs `keep_jax_off_the_tpu` first.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import warnings
 
-CHECKED = {"torch": ("2.9.0", "2.14.1"), "torch_xla": ("2.9.0",)}
+CHECKED = {"torch": ("2.9.0", "2.15.0"), "torch_xla": ("2.9.0",), "transformers": ("5.24.0",)}
 
 
 # --- The device guard (torch_xla._internal.jax_workarounds) -------------------------------------
@@ -118,3 +119,37 @@ def in_graph_function(name: str, hlo_module_proto: bytes):
 
     computation = xla_builder.computation_from_module_proto(name, hlo_module_proto)
     return xla_builder.xla_computation_as_func(computation, name)
+
+
+# --- transformers (masking_utils' mask closures) -------------------------------------------------
+
+# The masking_utils factories whose closures the HF adapter reads (torch_splash.hf), by one call each.
+_HF_FACTORIES = {
+    "and_masks": lambda mu: mu.and_masks(mu.causal_mask_function),
+    "sliding_window_overlay": lambda mu: mu.sliding_window_overlay(1),
+    "sliding_window_bidirectional_overlay": lambda mu: mu.sliding_window_bidirectional_overlay(1),
+    "chunked_overlay": lambda mu: mu.chunked_overlay(1, None),
+    "packed_sequence_mask_function": lambda mu: mu.packed_sequence_mask_function(None),
+    "remap_positions_for_packed_sequence": lambda mu: mu.remap_positions_for_packed_sequence(
+        mu.causal_mask_function, None
+    ),
+}
+
+
+@functools.cache
+def _hf_factory_codes() -> dict:
+    from transformers import masking_utils
+
+    return {make(masking_utils).__code__: name for name, make in _HF_FACTORIES.items()}
+
+
+def hf_mask_closure(fn) -> tuple[str | None, dict]:
+    """Which transformers masking_utils factory made the mask function `fn` (its name, or None),
+    and the variables the closure captured, by name. Every closure a factory returns shares the
+    factory's code object, which identifies it; the captured names are the factory's locals, which
+    transformers does not document (checked: CHECKED["transformers"])."""
+    code = getattr(fn, "__code__", None)
+    factory = _hf_factory_codes().get(code) if code is not None else None
+    if factory is None:
+        return None, {}
+    return factory, dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))

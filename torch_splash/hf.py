@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, SplashDtypeError
 
+from . import _compat
 from . import masks as _masks
 from .api import attention
 from .sdpa import masked_attention
@@ -45,19 +46,6 @@ class SplashMask:
 
 class _Unrecognised(Exception):
     pass
-
-
-# Every closure a factory returns shares the factory's code object: that identifies it.
-_AND = mu.and_masks(mu.causal_mask_function).__code__
-_SLIDING = mu.sliding_window_overlay(1).__code__
-_SLIDING_BIDIRECTIONAL = mu.sliding_window_bidirectional_overlay(1).__code__
-_CHUNKED = mu.chunked_overlay(1, None).__code__
-_PACKED = mu.packed_sequence_mask_function(None).__code__
-_REMAPPED = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__
-
-
-def _cells(fn) -> dict:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
 def _min(a, b):
@@ -94,24 +82,24 @@ def _read(mask_function) -> _Structure:
         return _Structure(right=0)
     if mask_function is mu.bidirectional_mask_function:
         return _Structure()
-    code = getattr(mask_function, "__code__", None)
-    cells = _cells(mask_function) if code else {}
-    if code is _SLIDING:
+    factory, cells = _compat.hf_mask_closure(mask_function)
+    if factory == "sliding_window_overlay":
         return _Structure(left=cells["sliding_window"] - 1)  # HF's W keeps W tokens, self included
-    if code is _SLIDING_BIDIRECTIONAL:
+    if factory == "sliding_window_bidirectional_overlay":
         return _Structure(left=cells["sliding_window"], right=cells["sliding_window"])
-    if code is _CHUNKED:
+    if factory == "chunked_overlay":
         return _Structure(chunk=(cells["chunk_size"], cells["left_padding"], None))
-    if code is _PACKED:
+    if factory == "packed_sequence_mask_function":
         return _Structure(packed=cells["packed_sequence_mask"])
-    if code is _AND:
+    if factory == "and_masks":
         structure, remapped = _Structure(), False
         for part in cells["mask_functions"]:
-            if getattr(part, "__code__", None) is _REMAPPED:
+            part_factory, remap = _compat.hf_mask_closure(part)
+            if part_factory == "remap_positions_for_packed_sequence":
                 # Within one packed sequence, positions step by one exactly as indices do, so a
                 # remapped relative mask equals the plain one wherever the packed-ids mask allows;
                 # chunks, which are not relative, are counted in the remapped positions.
-                remapped, remap = True, _cells(part)
+                remapped = True
                 part = _read(remap["mask_function"])
                 if part.chunk:
                     part = dataclasses.replace(part, chunk=(*part.chunk[:2], remap["position_ids"]))
