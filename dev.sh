@@ -6,7 +6,7 @@
 # and the rest:
 #   ./dev.sh test-xla [args]       the torch_xla set (Python 3.11, torch 2.9, torch_xla 2.9, jax 0.7.1), in .venv:
 #                          every test but TorchTPU's (-m torchtpu)
-#   ./dev.sh test-current [args]   the current set (Python 3.12, torch 2.14, jax 0.12, TorchTPU), in
+#   ./dev.sh test-current [args]   the current set (Python 3.12, torch 2.15, jax 0.12, TorchTPU), in
 #                          .venv-current: every test but torch_xla's (-m xla: its transport, SPMD,
 #                          sequence sharding, the ring)
 #   ./dev.sh bench         runs benchmarks/bench_bridge.py (a few minutes)

@@ -8,9 +8,12 @@ TorchTPU stand-in of the tests replaces TorchTPU's kernel runtime. Each entry be
 reaches for; `CHECKED` says which releases it was checked against. When a release moves one, the
 failure is a `SplashVersionError` naming the entry, the version found and the versions checked.
 
-`SUPPORTED` holds the version ranges pyproject.toml declares (a test keeps the two equal);
-`check_versions` refuses, at import, a Python, torch, JAX, jaxlib or numpy outside them, unless
-$TORCH_SPLASH_ALLOW_UNTESTED=1 turns the refusal into a warning.
+`SUPPORTED` holds the lower bounds pyproject.toml declares (a test keeps the two equal), and
+`TESTED` the newest releases the tested sets in locks/ hold. `check_versions` refuses, at import, a
+Python, torch, JAX, jaxlib or numpy older than its bound (unless $TORCH_SPLASH_ALLOW_UNTESTED=1
+turns the refusal into a warning), and warns once about a release newer than the tested one: no
+upper bound is declared where no break is known (a bound makes pip downgrade the user's framework).
+The breaks that are known are named where they bind: torch_xla 2.9's (TORCH_XLA_NEEDS).
 
 Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
 used, and the TorchTPU entries, called only by torch_splash's transport and the tests, import it
@@ -28,14 +31,10 @@ import sys
 import threading
 import warnings
 
-# Ranges, [low, high): the same as pyproject.toml's `dependencies` and `requires-python`.
-SUPPORTED = {
-    "python": ("3.11", "3.14"),
-    "torch": ("2.9", "2.15"),
-    "jax": ("0.7.1", "0.13"),
-    "jaxlib": ("0.7.1", "0.13"),
-    "numpy": ("2.0", "3"),
-}
+# Lower bounds: the same as pyproject.toml's `dependencies` and `requires-python`.
+SUPPORTED = {"python": "3.11", "torch": "2.9", "jax": "0.7.1", "jaxlib": "0.7.1", "numpy": "2.0"}
+# The newest release of each in the tested sets (locks/): a newer one warns once at import.
+TESTED = {"python": "3.12", "torch": "2.15.0", "jax": "0.12.0.1", "jaxlib": "0.12.0.1", "numpy": "2.5.5"}
 # torch_xla 2.9 is built against torch 2.9, and its Pallas extra pins jax 0.7.1.
 TORCH_XLA_NEEDS = {"torch": ("2.9", "2.10"), "jax": ("0.7.1", "0.8")}
 # The releases every entry below was checked against (the tested sets in locks/).
@@ -78,18 +77,29 @@ def python_version() -> str:
     return ".".join(map(str, sys.version_info[:3]))
 
 
+_WARNED_UNTESTED: set[str] = set()
+
+
 def check_versions(names=("python", "jax", "jaxlib", "numpy")) -> None:
-    """Refuse a Python or package outside SUPPORTED (torch_splash_jax checks its own; torch_splash adds torch)."""
+    """Refuse a Python or package older than SUPPORTED, and warn once about one newer than TESTED
+    in its major.minor (torch_splash_jax checks its own; torch_splash adds torch)."""
     for name in names:
         found = python_version() if name == "python" else installed(name)
         if found is None:
             continue  # not installed: its own import fails, with its own message
-        low, high = SUPPORTED[name]
-        if _outside(found, low, high):
+        low, newest = SUPPORTED[name], TESTED[name]
+        if release(found) < release(low):
             _refuse(
-                f"{name} {found} is outside the versions torch_splash supports ({name} >={low},<{high}). "
-                f"Install a supported one, e.g. pip install '{name}>={low},<{high}'"
-                + (" (or a Python in that range)." if name == "python" else ".")
+                f"{name} {found} is older than torch_splash supports ({name} >={low}). "
+                f"Install a supported one, e.g. pip install '{name}>={low}'"
+                + (" (or a newer Python)." if name == "python" else ".")
+            )
+        elif release(found)[:2] > release(newest)[:2] and name not in _WARNED_UNTESTED:
+            _WARNED_UNTESTED.add(name)
+            warnings.warn(
+                f"torch_splash: {name} {found} is newer than the newest tested ({newest}); it is expected to work. "
+                "If it does not, please report it with the error.",
+                stacklevel=3,
             )
 
 
