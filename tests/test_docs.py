@@ -62,3 +62,8 @@ def test_every_example_runs(path, tmp_path):
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, f"{path.name}:\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_stays_a_readme():
+    """The README is the user's entry point, within 14 KB; the guides' detail belongs in docs/."""
+    assert len((ROOT / "README.md").read_bytes()) <= 14 * 1024
