@@ -121,10 +121,15 @@ def test_inference_without_grad_matches_training_forward(mask, ids):
 
 
 def test_gradient_only_for_some_inputs():
+    """k without grad: dq and dv still match SDPA's, and k gets none."""
     q, k, v = make_qkv(1, 2, 2, 16, 16, 64, 64, torch.float32)
-    k.requires_grad_(False)
-    torch_splash.attention(q, k.detach(), v).sum().backward()
-    assert q.grad is not None and v.grad is not None
+    k = k.detach()
+    torch_splash.attention(q, k, v, "causal").sum().backward()
+    ref_q, ref_v = (t.detach().clone().requires_grad_() for t in (q, v))
+    torch.nn.functional.scaled_dot_product_attention(ref_q, k, ref_v, is_causal=True).sum().backward()
+    torch.testing.assert_close(q.grad, ref_q.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v.grad, ref_v.grad, atol=1e-5, rtol=1e-5)
+    assert k.grad is None
 
 
 def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
