@@ -20,6 +20,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+# Where --quick runs write (the test suite points it at a folder of its own; git ignores *_quick.json).
+QUICK_RESULTS = pathlib.Path(os.environ.get("TORCH_SPLASH_QUICK_RESULTS", RESULTS))
 DOC = ROOT / "docs" / "benchmarks.md"
 GiB = 2**30
 
@@ -64,7 +66,7 @@ def save(name: str, results: dict, quick: bool, command: str) -> pathlib.Path:
         "date": datetime.date.today().isoformat(),
         "command": command + (" --quick" if quick else ""),
     }
-    out = RESULTS / f"{name}{'_quick' if quick else ''}.json"
+    out = QUICK_RESULTS / f"{name}_quick.json" if quick else RESULTS / f"{name}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(SECTIONS[name][2](results))
