@@ -33,6 +33,7 @@ from .tpu_time import (
     ROW_STALL,
     Estimate,
     block_classes,
+    calibrate_arguments,
     causal,
     compile_schedules,
     dkv_work,
@@ -351,11 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m torch_splash_jax.tpu_time calibrate ...` runs this in a process that dumps schedules."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m torch_splash_jax.tpu_time calibrate")
-    parser.add_argument("--generation", required=True)
-    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
-    parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--json", default=None)
+    parser = calibrate_arguments(argparse.ArgumentParser(prog="python -m torch_splash_jax.tpu_time calibrate"))
     options = parser.parse_args(argv)
     results = calibrate(options.generation, options.direction, options.limit, json_path=options.json)
     return 0 if any(r.estimate is not None for r in results) else 1

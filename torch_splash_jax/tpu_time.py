@@ -717,17 +717,22 @@ def estimate_in_subprocess(plan, generation: str, backward: bool = True, libtpu_
     return estimate_from_json(data)
 
 
+def calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The calibrate command's options (torch_splash_jax.calibration runs it)."""
+    parser.add_argument("--generation", required=True, help="v5p, v6e or v7x (tokamax measured these)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--limit", type=int, default=None, help="at most N entries, spread over the cache")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torch_splash_jax.tpu_time",
         description="TPU kernel time estimated from the TPU compiler's schedule, calibrated against tokamax's times.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    cal = commands.add_parser("calibrate", help="estimate tokamax's kernel at its measured entries")
-    cal.add_argument("--generation", required=True, help="v5p, v6e or v7x (tokamax measured these)")
-    cal.add_argument("--direction", choices=("forward", "backward"), default="forward")
-    cal.add_argument("--limit", type=int, default=None, help="at most N entries, spread over the cache")
-    cal.add_argument("--json", default=None, help="also write the results to this file")
+    calibrate_arguments(commands.add_parser("calibrate", help="estimate tokamax's kernel at its measured entries"))
     one = commands.add_parser("estimate", help="estimate one pickled torch_splash_jax Plan (torch_splash.fit runs it)")
     one.add_argument("plan")
     one.add_argument("--generation", required=True, help=f"one of {sorted(CHIPS)}")
