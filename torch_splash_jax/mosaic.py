@@ -63,27 +63,24 @@ def newest_written(jax_version: str | None = None) -> int:
     """The newest Mosaic IR version this JAX (or the one named) serializes."""
     from . import compat
 
-    key = _release_key(jax_version or compat.installed("jax") or WRITTEN[0][0])
-    return max((writes for measured, writes in WRITTEN if _release_key(measured) <= key), default=WRITTEN[0][1])
-
-
-def _release_key(release: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", release)[:4])
+    key = compat.release(jax_version or compat.installed("jax") or WRITTEN[0][0])
+    return max((writes for measured, writes in WRITTEN if compat.release(measured) <= key), default=WRITTEN[0][1])
 
 
 def newest_readable(release: str | None = None, built: datetime.date | None = None) -> int:
     """The newest Mosaic IR version a libtpu reads, from its release or else its build date."""
+    from . import compat
     from .errors import SplashConstraintError
 
     oldest_release, oldest_date, _ = MEASURED[0]
     if release is not None:
-        key = _release_key(release)
-        if key < _release_key(oldest_release):
+        key = compat.release(release)
+        if key < compat.release(oldest_release):
             raise SplashConstraintError(
                 f"libtpu {release} is older than every libtpu the splash kernels were compiled with here "
                 f"(oldest: {oldest_release}). Install the libtpu torch_xla pins: pip install 'torch_xla[tpu]'."
             )
-        return max(reads for measured, _, reads in MEASURED if _release_key(measured) <= key)
+        return max(reads for measured, _, reads in MEASURED if compat.release(measured) <= key)
     if built is not None:
         if built < oldest_date:
             raise SplashConstraintError(
