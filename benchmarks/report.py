@@ -70,7 +70,7 @@ def save(name: str, results: dict, quick: bool, command: str) -> pathlib.Path:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(SECTIONS[name][2](results))
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     if not quick:  # the doc follows its results, so no other command finds the two out of step
         DOC.write_text(document())
         print(f"wrote {DOC.relative_to(ROOT)}")
