@@ -91,7 +91,7 @@ class Program:
         self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
-        self._residual_tree = None
+        self._layout = None  # _residual_layout
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
@@ -217,7 +217,7 @@ class Program:
 
     @staticmethod
     def _residual_sources(q, k, v, sinks, segment_ids) -> list:
-        """The kernel inputs a vjp residual may be, in the order `_sources` indexes them."""
+        """The kernel inputs a vjp residual may be, in the order `_residual_layout` indexes them."""
         return [q, k, v, *(() if sinks is None else (sinks,)), *(segment_ids or ())]
 
     def _segment_ids(self, ids):
@@ -257,22 +257,35 @@ class Program:
         q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)
-        out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids, sinks, tables)
-
-        # Where each residual comes from in the backward: a kernel input, the output, the
-        # logsumexp, or a constant block table (concrete, not traced).
-        def source(leaf):
-            for i, x in enumerate(inputs):
-                if x is leaf:
-                    return ("input", i)
-            return ("out", None) if leaf is out else ("lse", None) if leaf is lse else ("const", leaf)
-
-        self._sources = [source(leaf) for leaf in leaves]
-        kinds = [kind for kind, _ in self._sources]
-        assert kinds.count("out") == kinds.count("lse") == 1, kinds
-        assert not any(kind == "const" and compat.is_tracer(value) for kind, value in self._sources), kinds
-        self._residual_tree = tree
+        out, lse, *_ = self._vjp(q, k, v, ids, sinks, tables)
         return self._finish(out, lse), lse
+
+    def _residual_layout(self, forward_arrays) -> tuple[list, object]:
+        """Where each of the kernel's vjp residuals comes from (a kernel input, the output, the
+        logsumexp, or a constant block table, concrete), and the vjp's tree: learnt by tracing the
+        forward abstractly, once (a plan fixes every shape)."""
+        if self._layout is None:
+            found = []
+
+            def trace(*arrays):
+                q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
+                out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids, sinks, tables)
+
+                def source(leaf):
+                    for i, x in enumerate(inputs):
+                        if x is leaf:
+                            return ("input", i)
+                    return ("out", None) if leaf is out else ("lse", None) if leaf is lse else ("const", leaf)
+
+                found.append(([source(leaf) for leaf in leaves], tree))
+                return out
+
+            jax.eval_shape(trace, *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in forward_arrays])
+            (sources, tree), kinds = found[0], [kind for kind, _ in found[0][0]]
+            assert kinds.count("out") == kinds.count("lse") == 1, kinds
+            assert not any(kind == "const" and compat.is_tracer(value) for kind, value in sources), kinds
+            self._layout = sources, tree
+        return self._layout
 
     def infer_body(self, *arrays):
         TRACES["infer"] += 1
@@ -294,11 +307,7 @@ class Program:
         if self.no_pairs:
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
-        if self._residual_tree is None:
-            # The residual layout is learnt by tracing the forward; a Program that has not run its
-            # own forward (a backward after the cache evicted the forward's) traces it abstractly.
-            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays[: len(self.signature("forward"))]]
-            jax.eval_shape(self.forward_body, *structs)
+        sources, tree = self._residual_layout(arrays[: len(self.signature("forward"))])
         q, k, v = self._kernel_inputs(q, k, v)
         segment_ids = self._segment_ids(ids)
         inputs = self._residual_sources(q, k, v, sinks, segment_ids) + self._kernel_for(tables)[1]
@@ -312,13 +321,12 @@ class Program:
             lse = jnp.where(has_keys[..., 0], lse, jnp.inf)
         found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
         leaves = [
-            inputs[value] if kind == "input" else found[kind] if kind in found else value
-            for kind, value in self._sources
+            inputs[value] if kind == "input" else found[kind] if kind in found else value for kind, value in sources
         ]
         d_out = self._pad(d_out, 2, p.q_len_padded)
         if self.call_rows_may_be_empty:
             d_out = jnp.where(has_keys, d_out, 0).astype(d_out.dtype)
-        dq, dk, dv, *d_sinks = jax.tree.unflatten(self._residual_tree, leaves)(d_out)
+        dq, dk, dv, *d_sinks = jax.tree.unflatten(tree, leaves)(d_out)
         if self.call_rows_may_be_empty:
             dq = jnp.where(has_keys, dq, 0).astype(dq.dtype)
         dq = dq[:, :, : p.q_len]
