@@ -97,8 +97,8 @@ def check_versions(names=("python", "jax", "jaxlib", "numpy")) -> None:
         elif release(found)[:2] > release(newest)[:2] and name not in _WARNED_UNTESTED:
             _WARNED_UNTESTED.add(name)
             warnings.warn(
-                f"torch_splash: {name} {found} is newer than the newest tested ({newest}); it is expected to work. "
-                "If it does not, please report it with the error.",
+                f"torch_splash: {name} {found} is newer than the newest tested ({newest}), so untested here; "
+                "please report what fails with it.",
                 stacklevel=3,
             )
 
