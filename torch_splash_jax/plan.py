@@ -412,24 +412,43 @@ def _fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forwar
     return q_block * kv_block * max(head_dim, LANES) <= budget
 
 
+def _padded_lengths(blocks: dict, q128: int, kv128: int) -> tuple[int, int]:
+    """Both sequences padded to a multiple of every block along them (the kernels' grids)."""
+    q_blocks = [blocks[q] for _, q, _ in _KERNEL_BLOCKS if q in blocks]
+    kv_blocks = [blocks[kv] for _, q, kv in _KERNEL_BLOCKS if q in blocks]
+    return _round_up(q128, math.lcm(*q_blocks)), _round_up(kv128, math.lcm(*kv_blocks))
+
+
 def _fit_smem(
-    blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, table_heads: int, stored: bool
+    blocks: dict,
+    user: BlockSizes,
+    head_dim: int,
+    q128: int,
+    kv128: int,
+    table_heads: int,
+    stored: bool,
+    grow: bool = True,
 ) -> None:
     """Grow planned blocks of a TPU kernel until its block tables fit SMEM, to at most half the VMEM
     budget: at 576K tokens a dq kernel grown to 2048 x 1024 (the budget's edge, which compiled at
-    4K tokens) overran the scoped VMEM by 900K, so planned blocks keep that margin."""
+    4K tokens) overran the scoped VMEM by 900K, so planned blocks keep that margin. The tables span
+    the lengths as padded to every kernel's blocks (an explicit block of 384 beside planned powers
+    of two pads further than 128). `grow=False` only refuses."""
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
         limit = SMEM_STORED_TABLE_ENTRIES if stored else SMEM_TABLE_ENTRIES
-        while (entries := table_heads * _blocks_along(q128, blocks[q_name]) * _blocks_along(kv128, blocks[kv_name])) > (
-            limit
-        ):
+        while True:
+            q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
+            entries = table_heads * (q_pad // blocks[q_name]) * (kv_pad // blocks[kv_name])
+            if entries <= limit:
+                break
             grown = {q_name: (blocks[q_name] * 2, blocks[kv_name]), kv_name: (blocks[q_name], blocks[kv_name] * 2)}
             candidates = [
                 n
                 for n, (bq, bkv) in grown.items()
-                if getattr(user, n) is None
+                if grow
+                and getattr(user, n) is None
                 and blocks[n] < (q128 if n == q_name else kv128)
                 and _fits_vmem(2 * bq, bkv, head_dim, kernel, stored)
             ]
@@ -441,8 +460,8 @@ def _fit_smem(
                 fixes.append("shard the query sequence over devices (partition_spec)")
                 raise SplashConstraintError(
                     f"Lq={q128}, Lkv={kv128} (rounded to 128){' with ' + given if given else ''}: the {kernel} kernel "
-                    f"needs {entries} block-table entries ({table_heads} x {_blocks_along(q128, blocks[q_name])} x "
-                    f"{_blocks_along(kv128, blocks[kv_name])}: heads x q blocks x kv blocks), more than the "
+                    f"needs {entries} block-table entries ({table_heads} x {q_pad // blocks[q_name]} x "
+                    f"{kv_pad // blocks[kv_name]}: heads x q blocks x kv blocks), more than the "
                     f"{limit} the TPU's 1 MiB SMEM holds{' (stored mask blocks add a table)' if stored else ''}, "
                     f"even with the largest blocks its VMEM allows. To fit: {'; '.join(fixes)}."
                 )
@@ -515,8 +534,9 @@ def _planned(
         _fit_fused_compute(blocks, user, head_dim)
         if target.fused_max_kv_blocks:
             _fit_fused_buffer(blocks, user, head_dim, kv128, target.fused_max_kv_blocks)
-    q_pad = _round_up(q128, math.lcm(*(blocks[n] for n in q_names)))
-    kv_pad = _round_up(kv128, math.lcm(*(blocks[n] for n in kv_names)))
+    if platform == "tpu" and fused:  # the fused kernel's blocks changed after the tables were fitted
+        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads, stored, grow=False)
+    q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
     blocks["use_fused_bwd_kernel"] = fused
     for layout in ("q_layout", "k_layout", "v_layout"):
         if getattr(user, layout) is not None:
