@@ -13,6 +13,7 @@ _jax_compat.check_versions(("torch",))
 
 from . import masks
 from .api import attention
+from .flex import flex_attention, route_flex, soft_cap
 from .sdpa import route_sdpa, scaled_dot_product_attention
 
 __all__ = [
@@ -22,7 +23,10 @@ __all__ = [
     "SplashError",
     "SplashVersionError",
     "attention",
+    "flex_attention",
     "masks",
+    "route_flex",
     "route_sdpa",
     "scaled_dot_product_attention",
+    "soft_cap",
 ]

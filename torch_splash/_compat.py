@@ -71,6 +71,14 @@ def is_fake(tensor) -> bool:
     return torch._subclasses.fake_tensor.is_fake(tensor)
 
 
+def mask_mod_indexing():
+    """The mode torch's own `create_mask` evaluates mask_mods under: `tensor[b, q_idx]` with
+    0-d index tensors becomes an indexing op that vmap batches (else it calls `.item()`)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    return TransformGetItemToIndex()
+
+
 def register_constant(cls: type) -> None:
     """Dynamo passes instances of `cls` into a nonstrict_trace region as constants it guards on."""
     import torch

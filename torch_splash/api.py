@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import torch_splash_jax
+from torch_splash_jax import SplashConstraintError
 
 from . import _checks, _compat, _compile, _ops, _sharding, _transport
 
@@ -64,7 +65,8 @@ def attention(
     sinks: torch.Tensor | None = None,
     sequence_layout: str | None = None,
     context_parallel: str | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Splash attention: softmax(scale * q k^T + mask) v, through the JAX Pallas splash kernels.
 
     Args:
@@ -101,10 +103,14 @@ def attention(
             devices). The ring needs Lkv divisible like Lq.
         sinks: (Hq,) attention sinks (gpt-oss): one logit per query head that every row also
             normalises over, as if a key with that logit and a zero value were always visible.
+        return_lse: also return the logsumexp of each row's scaled (and soft-capped) logits,
+            (B, Hq, Lq) float32, natural log, -inf on rows that see no key (FlexAttention's
+            convention). It carries no gradient. Unsharded calls only.
 
     Returns:
-        (B, Hq, Lq, Dv) (or (Hq, Lq, Dv)) in q's dtype, on q's device. A query row that sees no key
-        is 0, with zero gradients. Differentiable in q, k, v and sinks (one backward pass).
+        (B, Hq, Lq, Dv) (or (Hq, Lq, Dv)) in q's dtype, on q's device, and the logsumexp with
+        return_lse. A query row that sees no key is 0, with zero gradients. Differentiable in q, k,
+        v and sinks (one backward pass).
 
     Raises:
         SplashConstraintError: (a ValueError) shapes, lengths, heads, devices, block sizes, masks
@@ -128,6 +134,7 @@ def attention(
         sinks=sinks,
         sequence_layout=sequence_layout,
         context_parallel=context_parallel,
+        return_lse=return_lse or None,
     )
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
@@ -152,11 +159,19 @@ def _attention(
     sinks=None,
     sequence_layout=None,
     context_parallel=None,
-) -> torch.Tensor:
+    return_lse=False,
+):
+    """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
+    scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
     if mask_source is not None:
         mask = _compile.from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout, context_parallel)
+    if return_lse and (sharding is not None or call.sinks is not None):
+        raise SplashConstraintError(
+            "return_lse=True: the logsumexp is returned for unsharded calls without sinks only: drop "
+            f"{'partition_spec' if sharding is not None else 'sinks'}."
+        )
     if sharding is not None:
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
@@ -167,12 +182,17 @@ def _attention(
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
-    if backward:
-        out, _ = _ops.forward(
+    if backward or return_lse:
+        out, lse = _ops.forward(
             call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs, transport or ""
         )
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs)
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
-    return out.squeeze(0) if call.unbatched else out
+    out = out.squeeze(0) if call.unbatched else out
+    if not return_lse:
+        return out
+    lse = lse[..., : plan.q_len]
+    lse = torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
+    return out, lse.squeeze(0) if call.unbatched else lse

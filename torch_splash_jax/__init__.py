@@ -5,8 +5,9 @@ from .errors import SplashConstraintError, SplashDtypeError, SplashError, Splash
 
 compat.check_versions()
 
-from .kernels import TRACES, Program
+from .kernels import EMPTY_ROW_LSE, TRACES, Program
 from .masks import (
+    BlockSparseMask,
     CausalMask,
     ChunkedCausalMask,
     DenseMask,
@@ -29,9 +30,11 @@ from .programs import program
 
 __all__ = [
     "BlockSizes",
+    "BlockSparseMask",
     "CausalMask",
     "ChunkedCausalMask",
     "DenseMask",
+    "EMPTY_ROW_LSE",
     "LocalMask",
     "Mask",
     "MultiHeadMask",

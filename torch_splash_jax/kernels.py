@@ -41,14 +41,14 @@ _splash, _, _mask_info = compat.splash_modules()
 # Counts traces (not calls) of each program body: a cache hit traces nothing.
 TRACES: collections.Counter = collections.Counter()
 
-# A row whose logsumexp is below this saw only masked logits (DEFAULT_MASK_VALUE is about -2.4e38).
-_EMPTY_ROW_LSE = _splash.DEFAULT_MASK_VALUE / 2
+# A row whose logsumexp is at or below this saw only masked logits (DEFAULT_MASK_VALUE is about -2.4e38).
+EMPTY_ROW_LSE = float(_splash.DEFAULT_MASK_VALUE / 2)
 
 
 def row_has_keys(lse):
     """Whether each row saw an allowed key: a row without one has a logsumexp near the kernels'
     mask value, or -inf (a skipped q block, the ring's accumulators before any key)."""
-    return lse > _EMPTY_ROW_LSE
+    return lse > EMPTY_ROW_LSE
 
 
 def scaled(x, scale: float):
@@ -373,7 +373,7 @@ def _has_allowed_pair(plan: Plan) -> bool:
     blocks = plan.block_sizes()
     heads = plan.mask.masks if isinstance(plan.mask, _masks.MultiHeadMask) else (plan.mask,)
     for mask in heads:
-        if not mask.computable:
+        if not mask.blockwise:
             allowed = mask.dense(plan.q_len, plan.kv_len).any()
         else:
             allowed = _tables.block_mask_table(

@@ -66,6 +66,13 @@ class Mask(Immutable):
 
     computable = True  # evaluable in-kernel from indices alone
 
+    @property
+    def blockwise(self) -> bool:
+        """Whether the host can classify blocks from `blocks` and evaluate a partial block with
+        `allows` on NumPy arrays (every structured mask, and masks given block by block), rather
+        than reading a dense (Lq, Lkv) array."""
+        return self.computable
+
     def allows(self, q_ids, kv_ids):
         """Bool array (broadcast of the ids) of allowed pairs, or None for "all allowed"."""
         raise NotImplementedError
@@ -280,6 +287,10 @@ class _Composite(Mask):
     def computable(self):
         return self.left.computable and self.right.computable
 
+    @property
+    def blockwise(self):
+        return self.left.blockwise and self.right.blockwise
+
     def allows(self, q_ids, kv_ids):
         return self._merge(self.left.allows(q_ids, kv_ids), self.right.allows(q_ids, kv_ids))
 
@@ -350,6 +361,110 @@ class DenseMask(Mask):
     def dense(self, q_len, kv_len):
         self.check(1, q_len, kv_len)
         return self.array
+
+
+@dataclasses.dataclass(eq=False)
+class BlockSparseMask(Mask):
+    """A mask given block by block, bound to one (Lq, Lkv): FlexAttention's BlockMask, with its
+    partial blocks evaluated. Equal by content.
+
+    kinds (Lq/bq, Lkv/bkv) int8, blocks of shape (bq, bkv) (the last of each axis may reach past
+    the lengths): 0 empty, 1 partial, 2 full. partial_index (same shape) int32: the index in
+    partial_blocks (N, bq, bkv) bool of each partial block's elements, -1 elsewhere. Nothing
+    (Lq, Lkv)-sized is held; the host classifies the kernel's blocks from prefix sums of the kinds
+    and reads partial ones by lookup (`blockwise`), and the kernel reads them from stored blocks."""
+
+    kinds: np.ndarray
+    partial_index: np.ndarray
+    partial_blocks: np.ndarray
+    shape: tuple
+    block_shape: tuple
+    computable = False
+    blockwise = True
+
+    def __post_init__(self):
+        kinds = np.ascontiguousarray(self.kinds, np.int8)
+        index = np.ascontiguousarray(self.partial_index, np.int32)
+        blocks = np.ascontiguousarray(self.partial_blocks, np.bool_)
+        shape = tuple(int(n) for n in self.shape)
+        block_shape = tuple(int(n) for n in self.block_shape)
+        if (
+            kinds.ndim != 2
+            or index.shape != kinds.shape
+            or len(shape) != 2
+            or len(block_shape) != 2
+            or blocks.ndim != 3
+            or blocks.shape[1:] != block_shape
+        ):
+            raise SplashConstraintError(
+                f"BlockSparseMask: kinds {kinds.shape} and partial_index {index.shape} must be the same 2-D shape, "
+                f"partial_blocks (N, *block_shape) (got {blocks.shape} for block_shape {block_shape}), shape (Lq, Lkv)."
+            )
+        if any(-(-length // size) != count for length, size, count in zip(shape, block_shape, kinds.shape)):
+            raise SplashConstraintError(
+                f"BlockSparseMask: {kinds.shape} blocks of {block_shape} do not cover (Lq, Lkv) = {shape}."
+            )
+        for name, array in (("kinds", kinds), ("partial_index", index), ("partial_blocks", blocks)):
+            array.setflags(write=False)
+            object.__setattr__(self, name, array)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "block_shape", block_shape)
+        digest = hashlib.blake2b(repr(block_shape).encode(), digest_size=16)
+        for array in (kinds, index, blocks):
+            digest.update(repr(array.shape).encode())
+            digest.update(array.tobytes())
+        object.__setattr__(self, "_digest", digest.digest())
+        # Prefix sums of non-empty and of full blocks: any / all over a range of blocks in O(1).
+        for name, table in (("_some", kinds > 0), ("_full", kinds == 2)):
+            sums = np.zeros((kinds.shape[0] + 1, kinds.shape[1] + 1), np.int64)
+            sums[1:, 1:] = table.cumsum(0).cumsum(1)
+            object.__setattr__(self, name, sums)
+
+    def __eq__(self, other):
+        return isinstance(other, BlockSparseMask) and self.shape == other.shape and self._digest == other._digest
+
+    def __hash__(self):
+        return hash((self.shape, self._digest))
+
+    def __repr__(self):
+        return (
+            f"BlockSparseMask(shape={self.shape}, blocks={self.block_shape}, "
+            f"partial={int((self.kinds == 1).sum())}, full={int((self.kinds == 2).sum())})"
+        )
+
+    def check(self, num_q_heads, q_len, kv_len):
+        if self.shape != (q_len, kv_len):
+            raise SplashConstraintError(
+                f"the block mask is for (Lq, Lkv) = {self.shape} but the call has ({q_len}, {kv_len}): "
+                "build it with the query and key lengths of this call."
+            )
+
+    def allows(self, q_ids, kv_ids):
+        q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+        inside = (q_ids >= 0) & (q_ids < self.shape[0]) & (kv_ids >= 0) & (kv_ids < self.shape[1])
+        q = np.clip(q_ids, 0, self.shape[0] - 1)
+        kv = np.clip(kv_ids, 0, self.shape[1] - 1)
+        (bq, bkv), row, col = self.block_shape, q // self.block_shape[0], kv // self.block_shape[1]
+        kind, index = self.kinds[row, col], self.partial_index[row, col]
+        if self.partial_blocks.shape[0]:
+            element = self.partial_blocks[np.maximum(index, 0), q % bq, kv % bkv]
+        else:
+            element = np.zeros(np.broadcast_shapes(q.shape, kv.shape), bool)
+        return inside & ((kind == 2) | ((kind == 1) & element))
+
+    def _count(self, sums, r0, r1, c0, c1):
+        return sums[r1 + 1, c1 + 1] - sums[r0, c1 + 1] - sums[r1 + 1, c0] + sums[r0, c0]
+
+    def blocks(self, q0, q1, k0, k1):
+        (bq, bkv), (nq, nkv) = self.block_shape, self.kinds.shape
+        r0, r1 = (np.clip(np.asarray(x) // bq, 0, nq - 1) for x in (q0, q1))
+        c0, c1 = (np.clip(np.asarray(x) // bkv, 0, nkv - 1) for x in (k0, k1))
+        area = (r1 - r0 + 1) * (c1 - c0 + 1)
+        return self._count(self._some, r0, r1, c0, c1) > 0, self._count(self._full, r0, r1, c0, c1) == area
+
+    def dense(self, q_len, kv_len):
+        self.check(1, q_len, kv_len)
+        return self.allows(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
 
 
 @dataclasses.dataclass(unsafe_hash=True)

@@ -177,7 +177,7 @@ def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len
     `cols` (-1: a padding row or column, hidden; keys at or past kv_len are padding too). `dense`
     caches the (Lq, Lkv) arrays of masks that are data."""
     r, c = rows[:, None], cols[None, :]
-    if spec.computable:
+    if spec.blockwise:
         allowed = spec.allows(r, c)
         allowed = np.ones((), bool) if allowed is None else np.asarray(allowed)
     else:
@@ -199,7 +199,7 @@ def _head_blocks(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_
     real = rows >= 0
     real_cols = (cols >= 0) & (cols < kv_len)
     partial = []
-    if spec.computable:
+    if spec.blockwise:
         lo, hi, some = _hull(rows, real)
         k_lo, k_hi, k_some = _hull(cols, real_cols)
         any_, all_ = spec.blocks(lo[:, None], hi[:, None], k_lo[None, :], k_hi[None, :])

@@ -1,0 +1,295 @@
+"""torch_splash.flex_attention against torch's own flex_attention on the CPU: outputs, logsumexp
+and gradients, for the masks FlexAttention code uses, and what it refuses."""
+
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOL, make_qkv
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    or_masks,
+)
+from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+import torch_splash
+from torch_splash import SplashConstraintError, SplashDtypeError
+from torch_splash.flex import block_mask_masks
+from torch_splash_jax import BlockSparseMask, MultiHeadMask
+from torch_splash_jax import tables as jax_tables
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(width):
+    def window(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < width
+
+    return and_masks(causal, window)
+
+
+def prefix_lm(prefix):
+    return or_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx < prefix)
+
+
+def documents(lengths_per_batch, length):
+    """Document ids (B, L) from each batch element's document lengths, as packed sequences have."""
+    doc = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls))[:length] for ls in lengths_per_batch]
+    )
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    return and_masks(causal, same_document)
+
+
+def per_head_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 32 * (h + 1))
+
+
+# name: (mask_mod, B of the BlockMask, H of the BlockMask, (Hq, Hkv), Lq, Lkv, score_mod)
+CASES = {
+    "causal": (causal, None, None, (4, 4), 300, 300, None),
+    "sliding-window": (sliding_window(48), None, None, (4, 4), 300, 300, None),
+    "prefix-lm": (prefix_lm(70), None, None, (4, 4), 257, 257, None),
+    "documents-per-batch": (documents([[100, 60, 140], [37, 263]], 300), 2, None, (4, 2), 300, 300, None),
+    "per-head": (per_head_window, None, 4, (4, 4), 300, 300, None),
+    "gqa-soft-cap": (causal, None, None, (8, 2), 200, 200, torch_splash.soft_cap(5.0)),
+    "cross-lq-ne-lkv": (lambda b, h, q, kv: kv <= q + 90, None, None, (4, 2), 150, 240, None),
+    "no-block-mask": (None, None, None, (2, 2), 130, 130, None),
+}
+
+
+def _block_mask(case):
+    mask_mod, b, h, _, q_len, kv_len, _ = case
+    return None if mask_mod is None else create_block_mask(mask_mod, b, h, q_len, kv_len, device="cpu")
+
+
+def _run(fn, q, k, v, block_mask, score_mod, d_out):
+    out, aux = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    return out.detach(), aux.lse.detach(), grads
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name):
+    case = CASES[name]
+    (hq, hkv), q_len, kv_len = case[3], case[4], case[5]
+    q, k, v = make_qkv(2, hq, hkv, q_len, kv_len, 32, 32, torch.float32)
+    block_mask, d_out = _block_mask(case), torch.randn(2, hq, q_len, 32)
+    got = _run(torch_splash.flex_attention, q, k, v, block_mask, case[6], d_out)
+    want = _run(torch_flex, q, k, v, block_mask, case[6], d_out)
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    torch.testing.assert_close(got[0], want[0], atol=oa, rtol=orr)
+    torch.testing.assert_close(got[1], want[1], atol=oa, rtol=orr)  # logsumexp: of the same size as out's error
+    for name_, mine, ref in zip("qkv", got[2], want[2]):
+        torch.testing.assert_close(mine, ref, atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
+
+
+def test_bf16_is_as_close_to_a_float64_reference_as_torch_s_own():
+    """bf16: splash and torch's flex_attention, each against torch's flex_attention in float64 on the
+    same (bf16-rounded) inputs; splash's error at most twice torch's, or within bf16's tolerance."""
+    mask_mod = documents([[100, 60, 140], [37, 263]], 300)
+    block_mask = create_block_mask(mask_mod, 2, None, 300, 300, device="cpu")
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, 64, torch.bfloat16)
+    d_out = torch.randn(2, 4, 300, 64).to(torch.bfloat16)
+    exact = _run(
+        torch_flex, *(t.detach().double().requires_grad_() for t in (q, k, v)), block_mask, None, d_out.double()
+    )
+    ours = _run(torch_splash.flex_attention, q, k, v, block_mask, None, d_out)
+    theirs = _run(torch_flex, q, k, v, block_mask, None, d_out)
+    assert ours[0].dtype == torch.bfloat16 and ours[1].dtype == torch.float32
+
+    def error(result, i):
+        got, ref = (result[0], result[1], *result[2])[i], (exact[0], exact[1], *exact[2])[i]
+        return (got.double() - ref).abs().max().item()
+
+    for i, what in enumerate(["out", "lse", "dq", "dk", "dv"]):
+        bound = TOL[torch.bfloat16]["out" if i < 2 else "grad"][0]
+        assert error(ours, i) <= max(2 * error(theirs, i), bound), (what, error(ours, i), error(theirs, i))
+
+
+def test_a_mask_that_differs_across_the_batch_runs_each_element_with_its_own_tables():
+    block_mask = create_block_mask(documents([[100, 60, 140], [37, 263]], 300), 2, None, 300, 300, device="cpu")
+    first, second = block_mask_masks(block_mask, 2, 4, 300, 300)
+    assert isinstance(first, BlockSparseMask) and first != second  # one mask for all heads of each element
+    per_head = block_mask_masks(create_block_mask(per_head_window, None, 4, 300, 300, device="cpu"), 2, 4, 300, 300)
+    assert per_head[0] is per_head[1] and isinstance(per_head[0], MultiHeadMask)
+
+
+def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():
+    """A document-causal mask at 4096 tokens: the forward kernel's tables visit exactly the kernel
+    blocks that hold an allowed pair, and the mask stores only the elements of torch's 128 x 128
+    blocks that are neither empty nor full, under 1/8 of an (Lq, Lkv) array here."""
+    length, block = 4096, 512
+    lengths = [700, 1500, 300, 1596]
+    mask = block_mask_masks(
+        create_block_mask(documents([lengths], length), 1, None, length, length, device="cpu"), 1, 2, length, length
+    )[0]
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    allowed = np.tril(doc[:, None] == doc[None, :])
+    per_128 = allowed.reshape(length // 128, 128, length // 128, 128)
+    mixed = per_128.any(axis=(1, 3)) & ~per_128.all(axis=(1, 3))
+    assert mask.partial_blocks.shape[0] == mixed.sum()
+    assert mask.kinds.size + mask.partial_index.size + mask.partial_blocks.size < length * length / 8
+    info = jax_tables.partial_mask_info(
+        (mask,), np.arange(length)[None], length, length, length, (block, block), is_dkv=False, shrink_grid=False
+    )
+    visited = allowed.reshape(length // block, block, length // block, block).any(axis=(1, 3))
+    np.testing.assert_array_equal(info.block_mask[0, 0] > 0, visited)
+    assert visited.sum() < visited.size / 2
+
+
+def test_the_logsumexp_is_minus_infinity_and_the_output_zero_on_rows_that_see_no_key():
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < q_idx - 150, None, None, 200, 200, device="cpu")
+    out, aux = torch_splash.flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    want, want_aux = torch_flex(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    assert torch.isneginf(aux.lse[..., :151]).all() and (out[..., :151, :] == 0).all()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(aux.lse, want_aux.lse)
+
+
+def test_the_soft_cap_helper_is_a_score_mod_for_torch_too():
+    cap = torch_splash.soft_cap(2.0)
+    scores = torch.tensor([-100.0, 0.5, 100.0])
+    torch.testing.assert_close(cap(scores, 0, 0, 0, 0), 2.0 * torch.tanh(scores / 2.0))
+    assert math.isclose(cap.cap, 2.0)
+
+
+def test_a_gradient_through_the_logsumexp_is_an_error_not_dropped():
+    q, k, v = make_qkv(1, 2, 2, 130, 130, 32, 32, torch.float32)
+    out, lse = torch_splash.flex_attention(q, k, v, return_lse=True)
+    out.sum().backward()  # lse unused: fine
+    out, lse = torch_splash.flex_attention(q, k, v, return_lse=True)
+    with pytest.raises(SplashConstraintError, match="logsumexp"):
+        (out.sum() + lse.sum()).backward()
+
+
+def _refusals():
+    q, k, v = (t.detach() for t in make_qkv(1, 4, 2, 130, 130, 32, 32, torch.float32))
+    other_length = create_block_mask(causal, None, None, 256, 256, device="cpu")
+    return {
+        "another score_mod": (
+            SplashConstraintError,
+            "relative_bias",
+            lambda: torch_splash.flex_attention(q, k, v, score_mod=_relative_bias, enable_gqa=True),
+        ),
+        "a BlockMask for other lengths": (
+            SplashConstraintError,
+            "256",
+            lambda: torch_splash.flex_attention(q, k, v, block_mask=other_length, enable_gqa=True),
+        ),
+        "GQA without enable_gqa": (SplashConstraintError, "enable_gqa", lambda: torch_splash.flex_attention(q, k, v)),
+        "an unknown kernel option": (
+            SplashConstraintError,
+            "FORCE_USE_FLEX_ATTENTION",
+            lambda: torch_splash.flex_attention(
+                q, k, v, enable_gqa=True, kernel_options={"FORCE_USE_FLEX_ATTENTION": 1}
+            ),
+        ),
+        "max_scores": (
+            SplashConstraintError,
+            "max_scores",
+            lambda: torch_splash.flex_attention(q, k, v, enable_gqa=True, return_aux=AuxRequest(max_scores=True)),
+        ),
+        "a mask that is not a BlockMask": (
+            SplashDtypeError,
+            "BlockMask",
+            lambda: torch_splash.flex_attention(q, k, v, block_mask=causal, enable_gqa=True),
+        ),
+        "a mask_mod returning ints": (
+            SplashDtypeError,
+            "bool",
+            lambda: torch_splash.flex_attention(
+                q,
+                k,
+                v,
+                enable_gqa=True,
+                block_mask=BlockMask.from_kv_blocks(
+                    torch.ones(1, 1, 2, dtype=torch.int32),
+                    torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32),
+                    mask_mod=_int_mask,
+                    seq_lengths=(130, 130),
+                ),
+            ),
+        ),
+        "a non-positive cap": (SplashConstraintError, "positive", lambda: torch_splash.soft_cap(0.0)),
+    }
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx):
+    return score + (q_idx - kv_idx)
+
+
+def _int_mask(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx).int()
+
+
+@pytest.mark.parametrize("case", list(_refusals()))
+def test_what_splash_cannot_serve_is_refused_by_name_before_any_kernel_work(case, monkeypatch):
+    error, words, call = _refusals()[case]
+    monkeypatch.setattr(torch_splash.api._ops, "forward", None)  # any kernel work would fail otherwise
+    monkeypatch.setattr(torch_splash.api._ops, "infer", None)
+    with pytest.raises(error, match=words):
+        call()
+
+
+MODEL_SOURCE = """
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+
+def attend(q, k, v, block_mask, score_mod=None):
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+"""
+
+
+@pytest.fixture
+def model_module():
+    """A module written for FlexAttention: torch's flex_attention imported by name at its top."""
+    module = types.ModuleType("flex_model_for_tests")
+    sys.modules[module.__name__] = module
+    exec(MODEL_SOURCE, vars(module))
+    yield module
+    del sys.modules[module.__name__]
+
+
+@pytest.mark.parametrize("scope", ["every module", "one module"])
+def test_route_flex_serves_unedited_code_and_restores_torch_s_function(model_module, scope):
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32)
+    block_mask = create_block_mask(causal, None, None, 200, 200, device="cpu")
+    want = torch_flex(q, k, v, block_mask=block_mask)
+    modules = () if scope == "every module" else (model_module,)
+    with torch_splash.route_flex(*modules):
+        got = model_module.attend(q, k, v, block_mask)
+        with pytest.raises(SplashConstraintError, match="relative_bias"):  # splash, not torch, served it
+            model_module.attend(q, k, v, block_mask, score_mod=_relative_bias)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert model_module.flex_attention is torch_flex
+    assert torch.nn.attention.flex_attention.flex_attention is torch_flex
+    model_module.attend(q, k, v, block_mask, score_mod=_relative_bias)  # torch's again
+
+
+def test_route_flex_serves_a_model_wrapped_in_torch_compile(model_module):
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32)
+    block_mask = create_block_mask(sliding_window(40), None, None, 200, 200, device="cpu")
+    want = torch_flex(q, k, v, block_mask=block_mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(model_module.attend, backend="aot_eager")
+    with torch_splash.route_flex():
+        got = compiled(q, k, v, block_mask)
+        got.sum().backward()
+        with pytest.raises(SplashConstraintError, match="relative_bias"):
+            compiled(q, k, v, block_mask, score_mod=_relative_bias)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert q.grad is not None
