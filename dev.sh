@@ -15,6 +15,7 @@
 #   ./dev.sh bench-hf      runs benchmarks/bench_hf.py (HF training step, splash vs sdpa, L 512-4096)
 #   ./dev.sh bench-transports   runs benchmarks/bench_transports.py (torch_xla step: in-graph vs DLPack)
 #   ./dev.sh bench-tpu-memory   runs benchmarks/bench_tpu_memory.py (HBM per step from the TPU compiler)
+#   ./dev.sh bench-flex         runs benchmarks/bench_flex.py (FlexAttention: HBM of a document-masked step, host cost)
 #   ./dev.sh bench-sequence     runs benchmarks/bench_sequence.py (the query sequence sharded: blocks, HBM, time)
 #   ./dev.sh bench-context-parallel  runs benchmarks/bench_context_parallel.py (all-gather vs ring: HBM per chip)
 #   ./dev.sh bench-tpu-time     runs benchmarks/bench_tpu_time.py in the current set (TPU kernel time estimated
@@ -127,6 +128,7 @@ case "$cmd" in
   bench-hf) exec .venv/bin/python benchmarks/bench_hf.py "$@" ;;
   bench-transports) exec .venv/bin/python benchmarks/bench_transports.py "$@" ;;
   bench-tpu-memory) install_libtpu; exec .venv/bin/python benchmarks/bench_tpu_memory.py "$@" ;;
+  bench-flex) install_libtpu; exec .venv/bin/python benchmarks/bench_flex.py "$@" ;;
   bench-sequence) install_libtpu; exec .venv/bin/python benchmarks/bench_sequence.py "$@" ;;
   bench-context-parallel) install_libtpu; exec .venv/bin/python benchmarks/bench_context_parallel.py "$@" ;;
   bench-tpu-time) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
@@ -136,6 +138,6 @@ case "$cmd" in
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-sequence | bench-context-parallel | bench-tpu-time | bench-report | lint |" \
+          "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

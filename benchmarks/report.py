@@ -189,6 +189,44 @@ def _tpu_memory(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _flex(r: dict) -> str:
+    shape = r["shape"]
+    lines = [
+        f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
+        f"D={shape['head_dim']}, {shape['dtype']}, {r['mask']}; one v5e chip, libtpu {r['libtpu']}; "
+        "arguments + outputs + temporaries. Host: seconds on this machine's CPU.",
+        "",
+        "| L | blocks of 128 (partial / full / all) | create_block_mask | to splash masks | TPU block tables "
+        "| (masks + tables) / create_block_mask | HBM, torch_splash.flex_attention | HBM, dense bias + SDPA |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        ours = row["to_masks_s"] + row["tables_s"]
+        lines.append(
+            f"| {row['L'] // 1024}K | {row['partial_blocks']} / {row['full_blocks']} / {row['blocks']} "
+            f"| {row['create_block_mask_s']:.2f} s | {row['to_masks_s']:.2f} s | {row['tables_s']:.2f} s "
+            f"| {ours / row['create_block_mask_s']:.2f} | {_gib(row['splash'])} | {_gib(row['dense'])} |"
+        )
+    lines += [
+        "",
+        "CPU (B=1, 4/2 heads, D=64, f32, document-causal), median seconds and the ratio to torch's eager "
+        "flex_attention; torch's compiled flex_attention has no backward on the CPU:",
+        "",
+        "| L | pass | torch eager | torch compiled | torch_splash (interpret-mode kernels) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r["cpu"]:
+        for step in ("forward", "training"):
+            base = row[f"{step}_torch_eager"]
+            compiled = row.get(f"{step}_torch_compiled")
+            lines.append(
+                f"| {row['L']} | {'forward' if step == 'forward' else 'forward + backward'} | {base:.3f} s "
+                f"| {'' if compiled is None else f'{compiled:.3f} s ({compiled / base:.2f}x)'} "
+                f"| {row[f'{step}_splash']:.3f} s ({row[f'{step}_splash'] / base:.2f}x) |"
+            )
+    return "\n".join(lines)
+
+
 def _sequence(r: dict) -> str:
     shape = r["shape"]
     lines = [
@@ -520,6 +558,14 @@ SECTIONS = {
         "2 attention layers, GQA 4/2, causal, SGD step + sync; median step time. In-graph, a step is one "
         "XLA execution; DLPack needs one per attention call.",
         _transports,
+    ),
+    "flex": (
+        "FlexAttention: HBM of a document-masked training step on TPU, and the host's cost of a BlockMask",
+        "torch_splash.flex_attention with a BlockMask from create_block_mask, against the dense -inf bias plus "
+        "SDPA that TorchTPU's flex_attention patch runs, in a torch_xla step compiled for one v5e chip; the "
+        "host's cost of turning the BlockMask into splash's block tables beside create_block_mask's own "
+        "(torch.compile'd, compile not counted); and CPU time against torch's flex_attention.",
+        _flex,
     ),
     "tpu_memory": (
         "HBM per training step, from the TPU compiler (libtpu, deviceless)",

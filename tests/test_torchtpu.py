@@ -104,6 +104,18 @@ def test_sdpa_drop_in_and_torch_compile_through_jax_op(torchtpu):
     assert q.grad is not None and sum(torchtpu.calls.values()) >= 3
 
 
+def test_a_model_written_for_flex_attention_trains_through_jax_op(torchtpu):
+    """torch_splash.flex_attention (by route_flex) with a document-causal BlockMask, on TorchTPU's
+    path: losses and weights after three SGD steps as with FlexAttention's definition in torch ops."""
+    from test_flex import assert_trains_like_torch, train_packed_documents, train_with_the_reference
+
+    want = train_with_the_reference()
+    with torch_splash.route_flex():
+        got = train_packed_documents("cpu")
+    assert sum(torchtpu.calls.values()) == 2 * 3 * 2  # per step: each batch element's forward and backward
+    assert_trains_like_torch(got, want)
+
+
 def test_the_op_torchtpu_registers_passes_opcheck(torchtpu, monkeypatch):
     """torch_splash::tpu_program as TorchTPU's jax_op registers it: schema, fake tensors, dispatch."""
     numbers, number_of = [], _transport.program_number

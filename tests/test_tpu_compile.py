@@ -87,6 +87,8 @@ DEFAULT = [
         "bfloat16",
         "MultiHeadMask((CausalMask(0), LocalMask(4095, 0), CausalMask(0), LocalMask(4095, 0)))",
     ),
+    # torch_splash.flex_attention's document-causal BlockMask over packed sequences: stored blocks
+    _case("flex-documents-32k", 16, 8, 32768, 32768, 128, "bfloat16", "documents"),
     # the fused backward planned at head_dim 256: its compute block halved to fit VMEM
     _case("fused-d256-4k", 4, 2, 4096, 4096, 256, "bfloat16", "CausalMask(0)"),
     _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)", blocks=dict(use_fused_bwd_kernel=True)),

@@ -60,6 +60,8 @@ def case_plan(case: dict):
     if mask == "dense":
         rng = np.random.default_rng(0)
         mask = torch_splash_jax.DenseMask(rng.random((case["q_len"], case["kv_len"])) > 0.3)
+    elif mask == "documents":
+        mask = documents_mask(case["q_len"])
     else:
         mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
     blocks = case.get("blocks")
@@ -80,6 +82,38 @@ def case_plan(case: dict):
         block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks),
         platform="tpu",
     )
+
+
+def documents_mask(length: int, block: int = 128):
+    """The BlockSparseMask torch_splash.flex_attention makes of a document-causal BlockMask over
+    packed documents of 256 to 4095 tokens (blocks of 128, as create_block_mask's), built here in
+    NumPy: this process has no torch."""
+    import numpy as np
+
+    import torch_splash_jax
+
+    rng, lengths = np.random.default_rng(0), []
+    while sum(lengths) < length:
+        lengths.append(min(int(rng.integers(256, 4096)), length - sum(lengths)))
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    n = -(-length // block)
+    padded = np.concatenate([doc, np.full(n * block - length, -1)]).reshape(n, block)
+    first, last = padded[:, 0], np.where(padded[:, -1] < 0, doc[-1], padded[:, -1])
+    rows, cols = np.arange(n)[:, None], np.arange(n)[None, :]
+    some = (cols <= rows) & (np.maximum(first[:, None], first[None, :]) <= np.minimum(last[:, None], last[None, :]))
+    whole = (padded >= 0).all(axis=1)
+    full = (cols < rows) & (first == last)[:, None] & (first == last)[None, :] & (first[:, None] == first[None, :])
+    full &= whole[:, None] & whole[None, :]
+    kinds = np.where(full, 2, np.where(some, 1, 0)).astype(np.int8)
+    index = np.full(kinds.shape, -1, np.int32)
+    blocks = []
+    for r, c in np.argwhere(kinds == 1):
+        q, kv = r * block + np.arange(block), c * block + np.arange(block)
+        inside = (q[:, None] < length) & (kv[None, :] < length)
+        ids_q, ids_kv = padded[r][:, None], padded[c][None, :]
+        blocks.append((ids_q == ids_kv) & (q[:, None] >= kv[None, :]) & inside)
+        index[r, c] = len(blocks) - 1
+    return torch_splash_jax.BlockSparseMask(kinds, index, np.stack(blocks), (length, length), (block, block))
 
 
 def programs(generations: list[str], lines, torchtpu: bool = False) -> None:

@@ -79,6 +79,22 @@ def mask_mod_indexing():
     return TransformGetItemToIndex()
 
 
+def mask_mod_reads(fn, device) -> tuple[bool, bool, bool, bool]:
+    """Which of its arguments (b, h, q_idx, kv_idx) a mask_mod's computation reads, from a trace of
+    it on 0-d index tensors (torch.fx's make_fx, under the indexing mode above). Where it cannot be
+    traced, every argument counts as read."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        with mask_mod_indexing():
+            graph = make_fx(fn)(*(torch.tensor(0, device=device) for _ in range(4))).graph
+    except Exception:  # noqa: BLE001  any failure only costs the evaluation at every (b, h)
+        return (True, True, True, True)
+    reads = tuple(bool(node.users) for node in graph.nodes if node.op == "placeholder")
+    return reads if len(reads) == 4 else (True, True, True, True)
+
+
 def register_constant(cls: type) -> None:
     """Dynamo passes instances of `cls` into a nonstrict_trace region as constants it guards on."""
     import torch

@@ -151,13 +151,18 @@ def block_mask_masks(block_mask, batch: int, heads: int, q_len: int, kv_len: int
     rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
     kinds = _block_kinds(block_mask, rows, cols)
     device = block_mask.kv_num_blocks.device
-    masks, seen = [], {}
+    # A mask_mod that never reads b (or h) is evaluated once for every batch element (head).
+    reads_b, reads_h, *_ = _compat.mask_mod_reads(block_mask.mask_mod, device)
+    masks, seen, evaluated = [], {}, {}
     for b in range(batch):
         per_head = []
         for h in range(heads):
-            table = kinds[b if mask_batch > 1 else 0, h if mask_heads > 1 else 0]
-            mask = _head_mask(block_mask.mask_mod, b, h, table, (q_len, kv_len), block_shape, device)
-            per_head.append(seen.setdefault(mask, mask))  # one object per distinct mask
+            key = (b if reads_b else 0, h if reads_h else 0, b if mask_batch > 1 else 0, h if mask_heads > 1 else 0)
+            if key not in evaluated:
+                table = kinds[key[2], key[3]]
+                mask = _head_mask(block_mask.mask_mod, *key[:2], table, (q_len, kv_len), block_shape, device)
+                evaluated[key] = seen.setdefault(mask, mask)  # one object per distinct mask
+            per_head.append(evaluated[key])
         mask = per_head[0] if all(m is per_head[0] for m in per_head) else MultiHeadMask(tuple(per_head))
         masks.append(seen.setdefault(mask, mask))
     return masks

@@ -404,11 +404,13 @@ def _fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forwar
     # both did. Its q block stays at most 1024. With a mask read from stored blocks the backward
     # kernels also hold the mask's blocks: at 128K tokens, 4 heads, a per-head mask, the dq kernel
     # at 1024 x 2048 overran the scoped VMEM (19.22M of 16M, v5e, libtpu 0.0.21) and so did the dkv
-    # kernel at 1024 x 2048 with libtpu 0.0.52, where both compiled at 1024 x 1024: they keep to
-    # half the budget.
+    # kernel at 1024 x 2048 with libtpu 0.0.52, where both compiled at 1024 x 1024; and so does the
+    # forward, whose mask blocks are int32 on TPU (two buffers of 8 MiB at 2048 x 1024): with
+    # FlexAttention's document mask at 8K tokens, 16 heads, D=128, 2048 x 1024 overran it (17.91M
+    # of 16M, v5e, libtpu 0.0.21). With stored blocks every kernel keeps to half the budget.
     if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
         return False
-    budget = VMEM_BUDGET // 2 if kernel != "forward" and stored else VMEM_BUDGET
+    budget = VMEM_BUDGET // 2 if stored else VMEM_BUDGET
     return q_block * kv_block * max(head_dim, LANES) <= budget
 
 

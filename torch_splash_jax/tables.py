@@ -184,7 +184,10 @@ def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len
         if spec not in dense:
             dense[spec] = spec.dense(q_len, kv_len)
         allowed = dense[spec][np.clip(r, 0, q_len - 1), np.clip(c, 0, kv_len - 1)]
-    return np.broadcast_to(allowed, (r.size, c.size)) & (r >= 0) & (c >= 0) & (c < kv_len)
+    real_rows, real_cols = rows >= 0, (cols >= 0) & (cols < kv_len)
+    if allowed.shape == (r.size, c.size) and real_rows.all() and real_cols.all():
+        return allowed  # the common case, without three more (rows, cols) temporaries
+    return np.broadcast_to(allowed, (r.size, c.size)) & real_rows[:, None] & real_cols[None, :]
 
 
 def _head_blocks(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len: int, dense):
@@ -297,7 +300,7 @@ def partial_mask_info(
         kinds, data_next, mask_next = (np.stack(t)[:, None] for t in zip(*shrunk))
     partial_blocks = None
     if blocks:
-        partial_blocks = np.stack(blocks).astype(np.bool_)
+        partial_blocks = np.stack(blocks)  # bool, as _evaluate gives them
         if is_dkv:
             partial_blocks = np.swapaxes(partial_blocks, -1, -2)
     small = compat.downcast_to_small_type

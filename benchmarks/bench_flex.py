@@ -1,0 +1,222 @@
+"""FlexAttention through splash: HBM of a training step on TPU, the host's cost of a BlockMask, and
+CPU time against torch's own flex_attention.
+
+1. HBM per chip (the TPU compiler's own figure, libtpu deviceless, one v5e chip) of a torch_xla
+   training step of an attention block (B=1, 16 query heads, 8 kv heads, head_dim 128, bf16) with
+   a document-causal mask over packed sequences, for (a) the dense -inf bias plus SDPA that
+   TorchTPU's flex_attention patch runs (`create_mask` of the BlockMask's mask_mod) and (b)
+   `torch_splash.flex_attention` with the BlockMask.
+2. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
+   lengths; the second call, so its compile is not counted), turning its BlockMask into splash
+   masks (`torch_splash.flex.block_mask_masks`), and building the TPU plan's block tables
+   (`torch_splash_jax.program`, tables only: its functions are jitted on first call).
+3. CPU time of a forward and backward: torch's flex_attention eager and compiled, and
+   torch_splash.flex_attention (interpret-mode kernels), as ratios to torch's eager.
+
+    ./dev.sh bench-flex            # 1 and 2 at L = 8K to 128K, 3 at L = 1K and 2K
+    ./dev.sh bench-flex --quick    # 8K only, 3 at L = 256 (the test suite runs this)
+
+Writes benchmarks/results/flex.json (or flex_quick.json).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import report  # benchmarks/report.py: results files and their tables
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+
+
+def document_ids(length: int, seed: int = 0):
+    """(1, L) document ids of packed sequences: documents of 256 to 4095 tokens, in order."""
+    import torch
+
+    generator, lengths = torch.Generator().manual_seed(seed), []
+    while sum(lengths) < length:
+        lengths.append(min(int(torch.randint(256, 4096, (1,), generator=generator)), length - sum(lengths)))
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+
+
+def document_causal(doc):
+    from torch.nn.attention.flex_attention import and_masks
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    return and_masks(causal, same_document)
+
+
+def block_mask(length: int, compiled: bool = True):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = document_causal(document_ids(length))
+    return create_block_mask(mask_mod, 1, None, length, length, device="cpu", _compile=compiled)
+
+
+def step_hlo(length: int, impl: str) -> str:
+    """The HLO of one training step, left unexecuted in torch_xla's graph. impl: "splash"
+    (torch_splash.flex_attention with the BlockMask) or "dense" (TorchTPU's patch: the mask_mod as
+    a dense -inf bias, and SDPA)."""
+    import torch
+    import torch.nn.functional as F
+    import torch_xla
+    from torch.nn.attention.flex_attention import create_mask
+
+    import torch_splash
+
+    device = torch_xla.device()
+    dim = HEADS * HEAD_DIM
+    torch.manual_seed(0)
+    w_qkv = torch.randn(dim, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16).to(device).requires_grad_()
+    w_out = torch.randn(dim, dim, dtype=torch.bfloat16).to(device).requires_grad_()
+    x = torch.randn(1, length, dim, dtype=torch.bfloat16).to(device)
+    q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+    if impl == "splash":
+        out = torch_splash.flex_attention(q, k, v, block_mask=block_mask(length), enable_gqa=True)
+    else:
+        doc = document_ids(length).to(device)
+        allowed = create_mask(document_causal(doc), 1, 1, length, length, device=device)
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill(~allowed, float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    loss = (out.transpose(1, 2).reshape(1, length, dim) @ w_out).float().square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for w in (w_qkv, w_out):
+            w -= 0.1 * w.grad
+    return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
+
+
+def hbm(length: int, impl: str, generation: str = "v5e") -> dict:
+    from torch_splash_jax import aot
+
+    proto = aot.hlo_text_to_proto(step_hlo(length, impl))
+    try:
+        memory = aot.compile_hlo(proto, generation)
+        return dict(fits=True, bytes=memory.total, temp=memory.temp)
+    except aot.OutOfMemory as oom:
+        return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
+
+
+def host_cost(length: int) -> dict:
+    """Seconds of create_block_mask, of turning its BlockMask into splash masks, and of the TPU
+    plan's block tables."""
+    import torch_splash_jax
+    from torch_splash.flex import block_mask_masks
+    from torch_splash_jax.plan import plan
+
+    block_mask(length)  # create_block_mask compiles for this length first
+    start = time.perf_counter()
+    mask = block_mask(length)
+    create = time.perf_counter() - start
+    start = time.perf_counter()
+    (spec,) = block_mask_masks(mask, 1, HEADS, length, length)
+    convert = time.perf_counter() - start
+    start = time.perf_counter()
+    torch_splash_jax.program(
+        plan(
+            batch=1,
+            num_q_heads=HEADS,
+            num_kv_heads=KV_HEADS,
+            q_len=length,
+            kv_len=length,
+            head_dim=HEAD_DIM,
+            dtype="bfloat16",
+            mask=spec,
+            platform="tpu",
+        )
+    )
+    tables = time.perf_counter() - start
+    return dict(
+        create_block_mask_s=round(create, 3),
+        to_masks_s=round(convert, 3),
+        tables_s=round(tables, 3),
+        partial_blocks=int((spec.kinds == 1).sum()),
+        full_blocks=int((spec.kinds == 2).sum()),
+        blocks=int(spec.kinds.size),
+    )
+
+
+def cpu_time(length: int, repeats: int) -> dict:
+    """Median seconds of a forward, and of a forward and backward (B=1, 4/2 heads, head_dim 64, f32,
+    document-causal). torch's compiled flex_attention runs forward only on the CPU: torch 2.9's
+    inductor fails on its backward there, and torch 2.15 refuses it ("does not support backward on
+    CPU")."""
+    import statistics
+
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    import torch_splash
+
+    mask = create_block_mask(document_causal(document_ids(length)), 1, None, length, length, device="cpu")
+    compiled = torch.compile(torch_flex)
+    shapes = [(1, 4, length, 64), (1, 2, length, 64), (1, 2, length, 64)]
+    q, k, v = (torch.randn(s).requires_grad_() for s in shapes)
+
+    def median_seconds(fn, backward: bool) -> float:
+        samples = []
+        for _ in range(repeats + 1):  # the first call compiles: not counted
+            start = time.perf_counter()
+            with torch.set_grad_enabled(backward):
+                out = fn(q, k, v, block_mask=mask, enable_gqa=True)
+                if backward:
+                    out.sum().backward()
+            samples.append(time.perf_counter() - start)
+        return round(statistics.median(samples[1:]), 4)
+
+    implementations = {"torch_eager": torch_flex, "torch_compiled": compiled, "splash": torch_splash.flex_attention}
+    times = {f"forward_{name}": median_seconds(fn, False) for name, fn in implementations.items()}
+    times |= {f"training_{name}": median_seconds(implementations[name], True) for name in ("torch_eager", "splash")}
+    return times
+
+
+def run(quick: bool) -> dict:
+    from torch_splash.fit import planned_for_tpu
+    from torch_splash_jax import mosaic
+
+    lengths = [8192] if quick else [8192, 16384, 32768, 65536, 131072]
+    rows = []
+    for length in lengths:
+        row = dict(L=length, **host_cost(length))
+        with planned_for_tpu():
+            for impl in ("splash", "dense"):
+                row[impl] = hbm(length, impl)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cpu = [dict(L=length, **cpu_time(length, 1 if quick else 3)) for length in ([256] if quick else [1024, 2048])]
+    print(json.dumps(cpu), flush=True)
+    return dict(
+        shape=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
+        mask="document-causal, documents of 256 to 4095 tokens",
+        libtpu=mosaic.PINNED_LIBTPU,
+        rows=rows,
+        cpu=cpu,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8K only; CPU time at 256 tokens")
+    args = parser.parse_args()
+    if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
+        from torch_splash_jax import aot
+
+        env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
+        env["PJRT_DEVICE"] = "CPU"
+        sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env))
+    report.save("flex", run(args.quick), args.quick, "./dev.sh bench-flex")
+
+
+if __name__ == "__main__":
+    main()
