@@ -205,6 +205,12 @@ def test_the_soft_cap_helper_is_a_score_mod_for_torch_too():
     assert math.isclose(cap.cap, 2.0)
 
 
+def test_options_that_tune_torch_s_own_kernels_are_accepted_and_change_nothing():
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 130, 130, 32, 32, torch.float32))
+    tuned = torch_splash.flex_attention(q, k, v, kernel_options={"BLOCK_M": 64, "fwd_num_warps": 4, "USE_TMA": True})
+    torch.testing.assert_close(tuned, torch_splash.flex_attention(q, k, v), atol=0, rtol=0)
+
+
 def test_a_gradient_through_the_logsumexp_is_an_error_not_dropped():
     q, k, v = make_qkv(1, 2, 2, 130, 130, 32, 32, torch.float32)
     out, lse = torch_splash.flex_attention(q, k, v, return_lse=True)

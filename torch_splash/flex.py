@@ -168,7 +168,27 @@ def block_mask_masks(block_mask, batch: int, heads: int, q_len: int, kv_len: int
     return masks
 
 
-_TUNING_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
+# torch's kernel options that tune its own kernels or promise what splash does not rely on: accepted
+# and ignored (each may carry torch's "fwd_" / "bwd_" prefix). Others (BACKEND, FORCE_USE_FLEX_ATTENTION,
+# anything unknown) ask for something of torch's kernels and are refused.
+_TUNING_OPTIONS = (
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_M1",
+    "BLOCK_N1",
+    "BLOCK_M2",
+    "BLOCK_N2",
+    "num_warps",
+    "num_stages",
+    "USE_TMA",
+    "kpack",
+    "matrix_instr_nonkdim",
+    "waves_per_eu",
+    "BLOCKS_ARE_CONTIGUOUS",
+    "WRITE_DQ",
+    "PRESCALE_QK",
+    "ROWS_GUARANTEED_SAFE",
+)
 
 
 def _check_options(score_mod, kernel_options, return_lse, return_aux):
@@ -182,10 +202,12 @@ def _check_options(score_mod, kernel_options, return_lse, return_aux):
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             raise SplashDtypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}.")
-        unknown = sorted(set(kernel_options) - set(_TUNING_OPTIONS))
+        unknown = sorted(
+            str(k) for k in kernel_options if str(k).removeprefix("fwd_").removeprefix("bwd_") not in _TUNING_OPTIONS
+        )
         if unknown:
             raise SplashConstraintError(
-                f"kernel_options {unknown}: splash takes only the tile sizes of torch's kernels "
+                f"kernel_options {unknown}: splash takes only the options that tune torch's own kernels "
                 f"({', '.join(_TUNING_OPTIONS)}), and ignores them, since it plans its own blocks."
             )
     if return_aux is not None and getattr(return_aux, "max_scores", False):
@@ -241,7 +263,8 @@ def flex_attention(
         enable_gqa: allow Hkv < Hq, as torch.
         return_lse: also return the logsumexp (B, Hq, Lq) float32, natural log, -inf on rows that
             see no key. A gradient through it raises.
-        kernel_options: torch's tile sizes (BLOCK_M, BLOCK_N, ...), ignored: splash plans its own.
+        kernel_options: the options that tune torch's kernels (BLOCK_M, num_warps, ...), ignored:
+            splash plans its own blocks. Others (BACKEND, ...) raise.
         return_aux: ``AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))``.
 
     Returns:
