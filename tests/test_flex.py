@@ -188,6 +188,15 @@ def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():
     assert visited.sum() < visited.size / 2
 
 
+def test_a_block_sparse_mask_must_name_a_stored_block_for_each_partial_one():
+    kinds = np.array([[1, 0], [2, 1]], np.int8)
+    blocks = np.ones((1, 128, 128), bool)
+    with pytest.raises(SplashConstraintError, match="partial_index"):
+        BlockSparseMask(kinds, np.array([[0, -1], [-1, -1]], np.int32), blocks, (256, 200), (128, 128))
+    mask = BlockSparseMask(kinds, np.array([[0, -1], [-1, 0]], np.int32), blocks, (256, 200), (128, 128))
+    assert mask.dense(256, 200).sum() == 128 * 128 + 128 * 128 + 128 * 72
+
+
 def test_the_logsumexp_is_minus_infinity_and_the_output_zero_on_rows_that_see_no_key():
     q, k, v = make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32)
     block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < q_idx - 150, None, None, 200, 200, device="cpu")

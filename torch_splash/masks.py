@@ -28,6 +28,7 @@ import torch
 from torch_splash_jax import SplashConstraintError, SplashDtypeError, policy
 from torch_splash_jax.masks import (
     STRUCTURED,
+    BlockSparseMask,
     CausalMask,
     ChunkedCausalMask,
     DenseMask,
@@ -223,4 +224,4 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
 
 
 # Every mask type a caller can pass (torch.compile treats them as constants; see _compile.py).
-TYPES = (*STRUCTURED, DenseMask, MaskMod, Composed)
+TYPES = (*STRUCTURED, DenseMask, BlockSparseMask, MaskMod, Composed)

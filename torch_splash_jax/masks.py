@@ -400,6 +400,11 @@ class BlockSparseMask(Mask):
                 f"BlockSparseMask: kinds {kinds.shape} and partial_index {index.shape} must be the same 2-D shape, "
                 f"partial_blocks (N, *block_shape) (got {blocks.shape} for block_shape {block_shape}), shape (Lq, Lkv)."
             )
+        if not np.array_equal(kinds == 1, index >= 0) or index.max(initial=-1) >= blocks.shape[0]:
+            raise SplashConstraintError(
+                "BlockSparseMask: partial_index must name a block of partial_blocks for each partial block "
+                "(kind 1), and -1 for the others."
+            )
         if any(-(-length // size) != count for length, size, count in zip(shape, block_shape, kinds.shape)):
             raise SplashConstraintError(
                 f"BlockSparseMask: {kinds.shape} blocks of {block_shape} do not cover (Lq, Lkv) = {shape}."
