@@ -21,15 +21,11 @@ Writes benchmarks/results/flex.json (or flex_quick.json).
 
 import argparse
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import time
 
+import bench_tpu_memory  # its libtpu process
 import report  # benchmarks/report.py: results files and their tables
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
@@ -209,12 +205,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8K only; CPU time at 256 tokens")
     args = parser.parse_args()
-    if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
-        from torch_splash_jax import aot
-
-        env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
-        env["PJRT_DEVICE"] = "CPU"
-        sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env))
+    bench_tpu_memory.in_a_libtpu_process(__file__)
     report.save("flex", run(args.quick), args.quick, "./dev.sh bench-flex")
 
 

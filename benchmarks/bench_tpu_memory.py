@@ -33,6 +33,17 @@ def _libtpu_dir() -> str:
     return os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu"))
 
 
+def in_a_libtpu_process(script: str) -> None:
+    """Unless this process can load libtpu (deviceless), run `script` with this command line in one
+    that can, and exit with its status."""
+    if os.environ.get("TPU_SKIP_MDS_QUERY") is None:
+        from torch_splash_jax import aot
+
+        env = aot.environment(_libtpu_dir())
+        env["PJRT_DEVICE"] = "CPU"
+        sys.exit(subprocess.call([sys.executable, script, *sys.argv[1:]], env=env))
+
+
 def per_head_mask():
     """Half the heads causal, half a causal 4096-token sliding window: a per-head mask, whose
     partial blocks the kernel reads from storage."""
@@ -195,12 +206,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="L=2K on v5e only")
     args = parser.parse_args()
-    if os.environ.get("TPU_SKIP_MDS_QUERY") is None:  # re-run in a process that can load libtpu
-        from torch_splash_jax import aot
-
-        env = aot.environment(_libtpu_dir())
-        env["PJRT_DEVICE"] = "CPU"
-        sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]], env=env))
+    in_a_libtpu_process(__file__)
     result = run(args.quick)
     report.save("tpu_memory", result, args.quick, "./dev.sh bench-tpu-memory")
 
