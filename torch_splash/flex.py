@@ -4,8 +4,8 @@
 `create_block_mask` (any BLOCK_SIZE; mask_mods composed with `and_masks` / `or_masks`, depending
 on b and h or not) becomes block tables for the splash kernels. Torch's own tables say which
 blocks are empty, full or partial; only the partial ones are evaluated, with the BlockMask's
-mask_mod at every (b, h) of the call, as torch's kernels evaluate it. Blocks torch skips are
-never computed, and nothing (Lq, Lkv)-sized is built.
+mask_mod at every (b, h) of the call whose b or h it reads, as torch's kernels evaluate it.
+Blocks torch skips are never computed, and nothing (Lq, Lkv)-sized is built.
 
 A mask that differs across the batch runs one batch element at a time (each with its own
 tables); one that differs across heads keeps one table per head. A new mask is a new splash

@@ -165,7 +165,7 @@ def from_mask_mod(fn) -> MaskMod:
     Raises:
         SplashDtypeError: `fn` is not callable, or at call time does not return a bool tensor.
         SplashConstraintError: at call time, it depends on b (express per-sequence structure with
-            ``segment_ids``).
+            ``segment_ids``, or use ``torch_splash.flex_attention`` with a BlockMask).
     """
     if not callable(fn):
         raise SplashDtypeError(
@@ -195,8 +195,9 @@ def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Ma
         if not torch.equal(evaluate(b), first):
             raise SplashConstraintError(
                 f"mask_mod {getattr(fn, '__name__', fn)!r} depends on the batch index b (batch {b} differs "
-                "from batch 0): splash shares one mask across the batch. Express per-sequence "
-                "structure (documents, padding) with segment_ids, or call attention per batch element."
+                "from batch 0): one mask serves the whole batch here. Express per-sequence structure "
+                "(documents, padding) with segment_ids, or pass a BlockMask (create_block_mask(fn, B, ...)) "
+                "to torch_splash.flex_attention, which serves each batch element's mask."
             )
     return from_tensor(first)
 
