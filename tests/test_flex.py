@@ -134,6 +134,27 @@ def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name):
         torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("block_size", [64, (128, 256), 200], ids=["64", "128x256", "200"])
+def test_any_block_size_of_the_block_mask(block_size):
+    """torch's BLOCK_SIZE need not be the kernel's: a random per-(b, h) mask (a captured tensor
+    read at b, h, q_idx, kv_idx) over lengths that no block size divides."""
+    allowed = torch.rand(2, 2, 230, 270, generator=torch.Generator().manual_seed(3)) < 0.3
+
+    def random_mask(b, h, q_idx, kv_idx):
+        return allowed[b, h, q_idx, kv_idx]
+
+    block_mask = create_block_mask(random_mask, 2, 2, 230, 270, device="cpu", BLOCK_SIZE=block_size)
+    q, k, v = make_qkv(2, 2, 2, 230, 270, 32, 32, torch.float32)
+    d_out = torch.randn(2, 2, 230, 32)
+    got = _splash(q, k, v, block_mask, None, d_out)
+    exact = _reference(q, k, v, block_mask, None, d_out)
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
+    torch.testing.assert_close(got[1], exact[1].float(), atol=oa, rtol=orr)
+    for mine, ref in zip(got[2], exact[2]):
+        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+
+
 def test_bf16_is_as_close_to_a_float64_reference_as_torch_s_own():
     """bf16: splash's output and logsumexp, and torch's flex_attention's, against the float64
     reference on the same (bf16-rounded) inputs: splash's error at most twice torch's, or within
