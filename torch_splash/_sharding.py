@@ -310,17 +310,12 @@ def check(
             f"sequence_layout='balanced' with partition_spec={partition_spec!r}, which does not shard the query "
             "sequence: name a mesh axis for dim 2, or leave sequence_layout unset."
         )
-    if sharding.ring and sharding.q_shards < 2:
-        where = (
-            "leaves the query sequence whole"
-            if spec[2] is None
-            else f"shards the sequence over {spec[2]!r}, of 1 device"
-        )
-        raise SplashConstraintError(
-            f"context_parallel='ring' with partition_spec={partition_spec!r}, which {where}: a ring needs the "
-            "query sequence sharded over 2 or more devices. Name a mesh axis of size > 1 for dim 2, or leave "
-            "context_parallel unset."
-        )
+    where = (
+        "leaves the query sequence whole" if spec[2] is None else f"shards the sequence over {spec[2]!r}, of 1 device"
+    )
+    torch_splash_jax.check_context_parallel(
+        context_parallel, sharding.q_shards, f"with partition_spec={partition_spec!r}, which {where}"
+    )
     b, h = sharding.shards(spec[0]), sharding.shards(spec[1])
     if batch % b:
         raise SplashConstraintError(f"batch size {batch} does not split over {b} batch shards ({spec[0]!r}).")

@@ -223,12 +223,20 @@ def _layout_positions(rows: int, shards: int, layout: str) -> np.ndarray:
 CONTEXT_PARALLEL = ("all_gather", "ring")
 
 
-def check_context_parallel(strategy: str | None) -> None:
-    """SplashConstraintError unless `strategy` is a context-parallel strategy (or None)."""
+def check_context_parallel(strategy: str | None, q_shards: int | None = None, sharded: str | None = None) -> None:
+    """SplashConstraintError unless `strategy` is a context-parallel strategy (or None), and, given
+    the query-sequence shards, unless a ring has 2 or more. `sharded` says how the caller sharded
+    the sequence, in the caller's terms."""
     if strategy not in (None, *CONTEXT_PARALLEL):
         raise SplashConstraintError(
             f"context_parallel={strategy!r}: expected 'all_gather' (k and v gathered whole on every device) or "
             "'ring' (k and v passed around the sequence shards)."
+        )
+    if strategy == "ring" and q_shards is not None and q_shards < 2:
+        raise SplashConstraintError(
+            f"context_parallel='ring' {sharded or f'over {q_shards} query-sequence shard'}: a ring needs the query "
+            "sequence sharded over 2 or more devices. Name a mesh axis of size > 1 for dim 2 of partition_spec, "
+            "or leave context_parallel unset."
         )
 
 
@@ -595,15 +603,9 @@ def plan(
     check_sequence_layout(sequence_layout)
     if q_shards > 1 or sequence_layout == "balanced":
         q_len = _shard_length("Lq", q_len, q_shards, sequence_layout, f"{q_shards} sequence shards")
-    check_context_parallel(context_parallel)
+    check_context_parallel(context_parallel, q_shards)
     ring = context_parallel == "ring"
     if ring:
-        if q_shards < 2:
-            raise SplashConstraintError(
-                f"context_parallel='ring' over {q_shards} query-sequence shard: a ring needs the sequence sharded "
-                "over 2 or more devices (name a mesh axis of size > 1 for dim 2 of partition_spec), or leave "
-                "context_parallel unset."
-            )
         why = "with context_parallel='ring' k and v are sharded like q, so "
         kv_len = _shard_length("Lkv", kv_len, q_shards, sequence_layout, f"the ring's {q_shards} shards", why)
     if platform not in _TARGETS:
