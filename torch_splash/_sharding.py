@@ -259,19 +259,48 @@ def check(
     torch_splash_jax.check_sequence_layout(sequence_layout)
     torch_splash_jax.check_context_parallel(context_parallel)
     if partition_spec is None:
-        if context_parallel == "ring":
-            raise SplashConstraintError(
-                "context_parallel='ring' passes k and v around the devices the query sequence is sharded over: pass "
-                "a partition_spec that shards it, e.g. (None, None, 'seq', None), and its mesh."
-            )
-        if mesh is not None:
-            raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
-        if sequence_layout == "balanced":
-            raise SplashConstraintError(
-                "sequence_layout='balanced' lays the query sequence out over its shards: pass a partition_spec "
-                "that shards it, e.g. (None, None, 'seq', None)."
-            )
+        _check_unsharded(mesh, sequence_layout, context_parallel)
         return None
+    spec, mesh = _spec_and_mesh(partition_spec, mesh, call, transport)
+    sharding = Sharding(
+        mesh, spec[0], spec[1], spec[2], sequence_layout or "contiguous", context_parallel or "all_gather"
+    )
+    if sequence_layout == "balanced" and spec[2] is None:
+        raise SplashConstraintError(
+            f"sequence_layout='balanced' with partition_spec={partition_spec!r}, which does not shard the query "
+            "sequence: name a mesh axis for dim 2, or leave sequence_layout unset."
+        )
+    where = (
+        "leaves the query sequence whole" if spec[2] is None else f"shards the sequence over {spec[2]!r}, of 1 device"
+    )
+    torch_splash_jax.check_context_parallel(
+        context_parallel, sharding.q_shards, f"with partition_spec={partition_spec!r}, which {where}"
+    )
+    _check_shards_divide(sharding, call)
+    if spec[2] is None:
+        _check_kv_sequence_whole(call, partition_spec)
+    return sharding
+
+
+def _check_unsharded(mesh, sequence_layout: str | None, context_parallel: str | None) -> None:
+    """The options that need a partition_spec, refused without one."""
+    if context_parallel == "ring":
+        raise SplashConstraintError(
+            "context_parallel='ring' passes k and v around the devices the query sequence is sharded over: pass "
+            "a partition_spec that shards it, e.g. (None, None, 'seq', None), and its mesh."
+        )
+    if mesh is not None:
+        raise SplashConstraintError("mesh= was given without partition_spec=: pass both (or neither).")
+    if sequence_layout == "balanced":
+        raise SplashConstraintError(
+            "sequence_layout='balanced' lays the query sequence out over its shards: pass a partition_spec "
+            "that shards it, e.g. (None, None, 'seq', None)."
+        )
+
+
+def _spec_and_mesh(partition_spec, mesh, call, transport: str | None) -> tuple[tuple, object]:
+    """partition_spec as a hashable 4-tuple, and the mesh it names (the global one by default), once
+    they, the tensors and the transport are known to make an SPMD call."""
     spec = tuple(tuple(e) if isinstance(e, list) else e for e in partition_spec)  # hashable
     if call.unbatched or len(spec) != 4:
         raise SplashConstraintError(
@@ -301,43 +330,36 @@ def check(
     for axis in _axes(spec[0]) + _axes(spec[1]) + _axes(spec[2]):
         if isinstance(axis, str) and axis not in names:
             raise SplashConstraintError(f"partition_spec names mesh axis {axis!r}; the mesh has axes {names}.")
+    return spec, mesh
+
+
+def _check_shards_divide(sharding: Sharding, call) -> None:
+    """Batch and both head counts split evenly over their shards (a single kv head is copied)."""
     batch, q_heads, kv_heads = call.q.shape[0], call.q.shape[1], call.k.shape[1]
-    sharding = Sharding(
-        mesh, spec[0], spec[1], spec[2], sequence_layout or "contiguous", context_parallel or "all_gather"
-    )
-    if sequence_layout == "balanced" and spec[2] is None:
-        raise SplashConstraintError(
-            f"sequence_layout='balanced' with partition_spec={partition_spec!r}, which does not shard the query "
-            "sequence: name a mesh axis for dim 2, or leave sequence_layout unset."
-        )
-    where = (
-        "leaves the query sequence whole" if spec[2] is None else f"shards the sequence over {spec[2]!r}, of 1 device"
-    )
-    torch_splash_jax.check_context_parallel(
-        context_parallel, sharding.q_shards, f"with partition_spec={partition_spec!r}, which {where}"
-    )
-    b, h = sharding.shards(spec[0]), sharding.shards(spec[1])
+    b, h = sharding.shards(sharding.batch), sharding.shards(sharding.heads)
     if batch % b:
-        raise SplashConstraintError(f"batch size {batch} does not split over {b} batch shards ({spec[0]!r}).")
+        raise SplashConstraintError(f"batch size {batch} does not split over {b} batch shards ({sharding.batch!r}).")
     if q_heads % h:
-        raise SplashConstraintError(f"{q_heads} query heads do not split over {h} head shards ({spec[1]!r}).")
+        raise SplashConstraintError(f"{q_heads} query heads do not split over {h} head shards ({sharding.heads!r}).")
     if kv_heads % h and kv_heads != 1:
         raise SplashConstraintError(
-            f"{kv_heads} kv heads do not split over {h} head shards ({spec[1]!r}): with GQA both head counts must "
-            f"be multiples of the head shards (a single kv head is copied to each). Valid head shard counts: "
+            f"{kv_heads} kv heads do not split over {h} head shards ({sharding.heads!r}): with GQA both head counts "
+            "must be multiples of the head shards (a single kv head is copied to each). Valid head shard counts: "
             f"{_checks.common_divisors(q_heads, kv_heads)}."
         )
-    if spec[2] is None:
-        for name, t in (("k", call.k), ("v", call.v)):
-            tiles = _sequence_tiles(t)
-            if tiles > 1:
-                raise SplashConstraintError(
-                    f"{name} is sharded along its sequence ({tiles} ways) but partition_spec={partition_spec!r} "
-                    "leaves the query sequence whole: splash cannot shard the kv sequence alone (each query row "
-                    "needs every key). Shard the query sequence too (name a mesh axis for dim 2, and k and v are "
-                    f"gathered), or replicate {name}'s sequence before the call."
-                )
-    return sharding
+
+
+def _check_kv_sequence_whole(call, partition_spec) -> None:
+    """With the query sequence whole, k and v must not be sharded along theirs: refused, not gathered."""
+    for name, t in (("k", call.k), ("v", call.v)):
+        tiles = _sequence_tiles(t)
+        if tiles > 1:
+            raise SplashConstraintError(
+                f"{name} is sharded along its sequence ({tiles} ways) but partition_spec={partition_spec!r} "
+                "leaves the query sequence whole: splash cannot shard the kv sequence alone (each query row "
+                "needs every key). Shard the query sequence too (name a mesh axis for dim 2, and k and v are "
+                f"gathered), or replicate {name}'s sequence before the call."
+            )
 
 
 def _sequence_tiles(t: torch.Tensor) -> int:
