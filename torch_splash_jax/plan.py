@@ -600,14 +600,8 @@ def plan(
         )
     per_head = isinstance(mask, MultiHeadMask)
     mask.check(num_q_heads * head_shards if per_head else num_q_heads, q_len, kv_len)
-    check_sequence_layout(sequence_layout)
-    if q_shards > 1 or sequence_layout == "balanced":
-        q_len = _shard_length("Lq", q_len, q_shards, sequence_layout, f"{q_shards} sequence shards")
-    check_context_parallel(context_parallel, q_shards)
+    q_len, kv_len = _device_lengths(q_len, kv_len, q_shards, sequence_layout, context_parallel)
     ring = context_parallel == "ring"
-    if ring:
-        why = "with context_parallel='ring' k and v are sharded like q, so "
-        kv_len = _shard_length("Lkv", kv_len, q_shards, sequence_layout, f"the ring's {q_shards} shards", why)
     if platform not in _TARGETS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
@@ -638,6 +632,19 @@ def plan(
         head_shards=head_shards if per_head else 1,
         context_parallel=context_parallel,
     )
+
+
+def _device_lengths(q_len: int, kv_len: int, q_shards: int, layout: str, context_parallel: str) -> tuple[int, int]:
+    """(Lq, Lkv) on one device: the query sequence split over its shards, and with the ring the kv
+    sequence too; SplashConstraintError for a layout, strategy or split that cannot be."""
+    check_sequence_layout(layout)
+    if q_shards > 1 or layout == "balanced":
+        q_len = _shard_length("Lq", q_len, q_shards, layout, f"{q_shards} sequence shards")
+    check_context_parallel(context_parallel, q_shards)
+    if context_parallel == "ring":
+        why = "with context_parallel='ring' k and v are sharded like q, so "
+        kv_len = _shard_length("Lkv", kv_len, q_shards, layout, f"the ring's {q_shards} shards", why)
+    return q_len, kv_len
 
 
 def _shard_length(name: str, length: int, shards: int, layout: str, shards_named: str, why: str = "") -> int:
