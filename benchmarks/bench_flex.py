@@ -23,7 +23,7 @@ import argparse
 import json
 import time
 
-import bench_tpu_memory  # its libtpu process
+import bench_tpu_memory  # its libtpu process and compile step
 import report  # benchmarks/report.py: results files and their tables
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -93,14 +93,7 @@ def step_hlo(length: int, impl: str) -> str:
 
 
 def hbm(length: int, impl: str, generation: str = "v5e") -> dict:
-    from torch_splash_jax import aot
-
-    proto = aot.hlo_text_to_proto(step_hlo(length, impl))
-    try:
-        memory = aot.compile_hlo(proto, generation)
-        return dict(fits=True, bytes=memory.total, temp=memory.temp)
-    except aot.OutOfMemory as oom:
-        return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
+    return bench_tpu_memory.compiled(step_hlo(length, impl), generation)
 
 
 def host_cost(length: int) -> dict:

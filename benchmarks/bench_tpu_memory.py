@@ -127,12 +127,19 @@ def measure(
     """The compiler's HBM figure for one step (per device), or why it does not fit. `generation`
     names the chips (a generation for one chip, a topology such as "v5e:4x4" for shards > 1).
     schedule: a function of the compiled program's scheduled HLO text, whose dict joins the row."""
-    from torch_splash_jax import SplashConstraintError, aot
+    from torch_splash_jax import SplashConstraintError
 
     try:
         text = step_hlo(length, use_splash, shards, layout, mask, context_parallel, generated_input)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
+    return compiled(text, generation, shards, schedule)
+
+
+def compiled(text: str, generation: str, shards: int = 1, schedule=None) -> dict:
+    """The compiler's HBM figure for a step's HLO text (per device), or why it does not fit."""
+    from torch_splash_jax import aot
+
     proto = aot.hlo_text_to_proto(text)
     try:
         memory = aot.compile_hlo(proto, generation, partitions=shards)
