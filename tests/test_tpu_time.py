@@ -258,14 +258,20 @@ def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the
             "HloModule m",
             "",
             "ENTRY %main (q: bf16[2,128]) -> bf16[2,128] {",
+            "  %q = bf16[2,128]{1,0} parameter(0)",
             '  %copy.1 = bf16[2,128]{1,0} copy(%q), backend_config={"window_config":{"estimated_cycles":"300"}}',
             "  %splash_mha_fwd.1 = (bf16[2,128]{1,0}, f32[2,128]{1,0}) custom-call(%copy.1), "
-            'custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"9999"}',
-            '  ROOT %fusion.2 = bf16[2,128]{1,0} fusion(%splash_mha_fwd.1), backend_config={"estimated_cycles":"45"}',
+            'custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"9999"}, '
+            # tokamax's kernels carry metadata whose string spans lines, one of them starting with "}"
+            'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 128}"\n}}, metadata={}',
+            "  %gte = bf16[2,128]{1,0} get-tuple-element(%splash_mha_fwd.1), index=0",
+            '  ROOT %fusion.2 = bf16[2,128]{1,0} fusion(%gte, %q), backend_config={"estimated_cycles":"45"}',
             "}",
         ]
     )
     assert schedule.rest_cycles(hlo) == 345  # the kernel's own figure is not XLA's to give
+    # what the ops around the kernel read and write: the copy 512 + 512 bytes, the fusion 3 x 512
+    assert schedule.rest_bytes(hlo) == 5 * 2 * 128 * 2
     assert tpu_time.kernel_output_bytes(hlo, "splash_mha_fwd.1") == 2 * 128 * 2 + 2 * 128 * 4
     assert tpu_time.kernel_kind("splash_mha_fwd_no_residuals_block_kv_dkv_512.1") == "forward"
     assert tpu_time.kernel_kind("splash_mqa_dkv.3") == "dkv"

@@ -12,7 +12,8 @@ the step runs the region's bundles only when its condition holds. `Schedule.loop
 regions in program order with their bundles and unit use; which steps run which region is the
 caller's knowledge of the kernel (`torch_splash_jax.tpu_time`).
 
-Also XLA's own estimate of a compiled program's other ops (`rest_cycles`: their `estimated_cycles`).
+Also a compiled program's other ops: XLA's own estimate of them (`rest_cycles`: their
+`estimated_cycles`) and the HBM bytes they move (`rest_bytes`).
 Pure Python and NumPy: nothing here needs JAX or libtpu.
 """
 
@@ -224,8 +225,39 @@ def array_bytes(text: str) -> int:
 
 
 def _entry(hlo_text: str) -> str:
-    entry = hlo_text[hlo_text.find("\nENTRY ") :]
-    return entry[: entry.find("\n}")]
+    """The entry computation's header and instructions, one a line: an instruction's attributes
+    may span lines (a kernel's metadata string holds newlines and lines that begin with "}")."""
+    entry = hlo_text[hlo_text.find("\nENTRY ") + 1 :]
+    entry = entry[: re.search(r"^}\s*$", entry, re.M).start()]
+    return re.sub(r"\n(?!\s*(?:ROOT )?%)", " ", entry)
+
+
+# Ops that move no HBM data of their own: views, constants, tuples, and the async copies between
+# memory spaces and SparseCore calls' first halves (a SparseCore call is counted at its end).
+_MOVES_NOTHING = {
+    "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "copy-start", "copy-done",
+    "custom-call-start", "custom-call-update", "iota", "after-all", "partition-id",
+}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:,|$)")
+
+
+def rest_bytes(hlo_text: str) -> int:
+    """The HBM bytes the entry computation's ops other than the Mosaic kernels read and write
+    (each op's operands and results; an async SparseCore call reads and writes its result's size)."""
+    sizes, total = {}, 0
+    for line in _entry(hlo_text).splitlines()[1:]:
+        found = _INSTRUCTION.match(line)
+        if found is None:
+            continue
+        name, shape, op, operands = found.groups()
+        sizes[name] = array_bytes(shape)
+        if op in _MOVES_NOTHING or "tpu_custom_call" in line:
+            continue
+        if op == "custom-call-done":
+            total += 2 * sizes[name]
+        else:
+            total += sizes[name] + sum(sizes.get(o.strip().lstrip("%"), 0) for o in operands.split(",") if o.strip())
+    return total
 
 
 def rest_cycles(hlo_text: str) -> int:
