@@ -152,6 +152,7 @@ class Estimate:
     kernels: tuple
     rest_seconds: float  # XLA's estimate of the other ops (their `estimated_cycles`), not a schedule's
     libtpu: str | None = None
+    rest_hbm_seconds: float = 0.0  # the bytes the other ops read and write, over the HBM bandwidth
 
     @property
     def kernel_seconds(self) -> float:
@@ -509,7 +510,8 @@ def program_estimate(
             )
         )
     rest = schedule_lib.rest_cycles(hlo_text) / chip(generation).clock
-    return Estimate(generation, tuple(kernels), rest, libtpu_release())
+    rest_hbm = schedule_lib.rest_bytes(hlo_text) / chip(generation).hbm_bandwidth
+    return Estimate(generation, tuple(kernels), rest, libtpu_release(), rest_hbm)
 
 
 def kernel_output_bytes(hlo_text: str, name: str) -> int:
@@ -664,13 +666,16 @@ def estimate_json(estimate: Estimate) -> dict:
         generation=estimate.generation,
         libtpu=estimate.libtpu,
         rest_seconds=estimate.rest_seconds,
+        rest_hbm_seconds=estimate.rest_hbm_seconds,
         kernels=[dataclasses.asdict(kernel) for kernel in estimate.kernels],
     )
 
 
 def estimate_from_json(data: dict) -> Estimate:
     kernels = tuple(KernelTime(**kernel) for kernel in data["kernels"])
-    return Estimate(data["generation"], kernels, data["rest_seconds"], data.get("libtpu"))
+    return Estimate(
+        data["generation"], kernels, data["rest_seconds"], data.get("libtpu"), data.get("rest_hbm_seconds", 0.0)
+    )
 
 
 def estimate_in_subprocess(plan, generation: str, backward: bool = True, libtpu_dir: str | None = None) -> Estimate:
