@@ -145,7 +145,8 @@ def test_the_fused_backward_s_compute_block_fits_vmem():
         (32768, 128, (512, 4096), True),  # the same VMEM, its dq buffer kept to 8 q's
         (65536, 128, (1024, 2048), False),
         (8192, 256, (1024, 1024), True),
-        (16384, 256, (1024, 1024), False),
+        (16384, 256, (512, 2048), True),  # traded as at 128, its compute block halved to fit VMEM
+        (32768, 256, (1024, 1024), False),
     ],
 )
 def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length, head_dim, dkv, fused):
@@ -158,6 +159,8 @@ def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length,
     assert blocks["use_fused_bwd_kernel"] is fused
     assert ("block_q_dq" in blocks) is not fused
     assert (blocks["block_q"], blocks["block_kv"]) == ((2048, 1024) if head_dim == 128 else (1024, 1024))
+    if fused:
+        assert blocks["block_kv_dkv_compute"] == (256 if dkv == (512, 2048) and head_dim == 256 else 512)
     explicit = dict(
         plan_blocks(length, length, torch_splash_jax.BlockSizes(use_fused_bwd_kernel=True), "tpu", head_dim)[2]
     )
