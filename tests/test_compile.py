@@ -192,12 +192,10 @@ def test_opcheck(op):
             platform="cpu",
         )
     )
-    if op is OPS[0]:
-        args = (q, k, v, *ids, None, plan, "dlpack", "")
-    elif op is OPS[1]:
+    if op in OPS[:2]:
         args = (q, k, v, *ids, None, plan, "dlpack")
     else:
-        out, lse = OPS[0](q, k, v, *ids, None, plan, "dlpack", "")
+        out, lse = OPS[0](q, k, v, *ids, None, plan, "")
         args = (q, k, v, *ids, None, out, lse, torch.randn_like(out), plan, "")
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 

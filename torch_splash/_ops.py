@@ -21,9 +21,8 @@ from . import _ring, _sharding, _transport
 
 # Ops take tensors, ints and strings, not objects: a call's plan (and SPMD sharding, if any)
 # reaches them as its number in this registry, and each op looks its program up in torch_splash_jax's
-# cache. `transport` is the transport attention() picked for the forward's tensors;
-# `requested_transport` is the caller's request ("" for automatic), decided afresh for the
-# backward's tensors.
+# cache. `transport` is the caller's request ("" for automatic); each op decides it for the tensors
+# it is given (the backward's may be pending where the forward's were not).
 _REGISTERED_PLANS: dict[int, tuple[torch_splash_jax.Plan, _sharding.Sharding | None]] = {}  # least recently used first
 _PLAN_NUMBERS: dict[tuple, int] = {}
 MAX_REGISTERED_PLANS = policy.PLAN_REGISTRY
@@ -61,8 +60,10 @@ def _registered_plan(number: int) -> tuple[torch_splash_jax.Plan, _sharding.Shar
         ) from None
 
 
-def _run(number: int, kernel: str, named: dict, transport: str, out_roles: tuple) -> list[torch.Tensor]:
-    """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options)."""
+def _run(number: int, kernel: str, named: dict, requested: str, out_roles: tuple) -> list[torch.Tensor]:
+    """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options),
+    through the transport the caller requested ("" for automatic) for these tensors."""
+    transport = _transport.choose([t for t in named.values() if t is not None], requested or None)
     plan, sharding = _registered_plan(number)
     program = torch_splash_jax.program(plan)
     if plan.ring:
@@ -114,7 +115,6 @@ def forward(
     sinks: torch.Tensor | None,
     plan_number: int,
     transport: str,
-    requested_transport: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and logsumexp (the one residual torch does not already hold)."""
     out, lse = _run(plan_number, "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q", "lse"))
@@ -122,7 +122,7 @@ def forward(
 
 
 @forward.register_fake
-def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport, requested_transport):
+def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport):
     lse_len = _registered_plan(plan_number)[0].lse_len
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
@@ -160,27 +160,26 @@ def backward(
     lse: torch.Tensor,
     d_out: torch.Tensor,
     plan_number: int,
-    requested_transport: str,
+    transport: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
     forward's residuals."""
     inputs = dict(_inputs(q, k, v, q_ids, kv_ids, sinks), out=out, lse=lse, d_out=d_out)
-    transport = _transport.choose([t for t in inputs.values() if t is not None], requested_transport or None)
     grads = _run(plan_number, "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
     dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
     return dq, dk, dv, d_sinks
 
 
 @backward.register_fake
-def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, plan_number, requested_transport):
+def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, plan_number, transport):
     d_sinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks  # contiguous, as the real ones
 
 
 def _save_residuals(ctx, inputs, output):
-    q, k, v, q_ids, kv_ids, sinks, plan_number, _, requested_transport = inputs
+    q, k, v, q_ids, kv_ids, sinks, plan_number, transport = inputs
     ctx.registered = _registered_plan(plan_number)  # the plan itself: its number may be evicted by then
-    ctx.requested_transport = requested_transport
+    ctx.transport = transport
     ctx.save_for_backward(q, k, v, q_ids, kv_ids, sinks, *output)
     ctx.mark_non_differentiable(output[1])
 
@@ -193,9 +192,9 @@ def _differentiate(ctx, d_out, _):
         )
     q, k, v, q_ids, kv_ids, sinks, out, lse = ctx.saved_tensors
     dq, dk, dv, d_sinks = backward(
-        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, register_plan(*ctx.registered), ctx.requested_transport
+        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, register_plan(*ctx.registered), ctx.transport
     )
-    return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None, None
+    return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None
 
 
 forward.register_autograd(_differentiate, setup_context=_save_residuals)

@@ -175,7 +175,7 @@ def _attention(
     if sharding is not None:
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
-    transport_for_inputs = _transport.choose(list(tensors), transport)  # before any JAX work: it validates `transport`
+    _transport.choose(list(tensors), transport)  # validates `transport` before any JAX work; the ops choose again
     plan = _plan(call, block_sizes, call.platform, sharding)
     traced = _compat.is_fake(call.q)  # torch.compile: the graph keeps the number
     plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
@@ -183,11 +183,9 @@ def _attention(
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
     if backward or return_lse:
-        out, lse = _ops.forward(
-            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs, transport or ""
-        )
+        out, lse = _ops.forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport or "")
     else:  # no autograd graph to build: the cheaper forward, and no residuals
-        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport_for_inputs)
+        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport or "")
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
     out = out.squeeze(0) if call.unbatched else out
