@@ -14,9 +14,14 @@ anything, and none holds the next shard of keys before it needs it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import _sharding, _transport
+from torch_splash_jax import policy
+from torch_splash_jax import transport as jax_transport
+
+from . import _compat, _sharding, _transport
 
 
 def run(program, sharding, kind: str, named: dict, tables: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -64,7 +69,7 @@ def _backward(program, named, tables, sharding, platform):
             held = _sent_on(held, results, sharding)
         dq = dict(dq_acc=results["dq_acc"])
         # dk and dv go on to the device that holds their keys next (home, after the last step)
-        with_keys = sharding.pass_on(dict(dk_acc=results["dk_acc"], dv_acc=results["dv_acc"]))
+        with_keys = _pass_on(sharding, dict(dk_acc=results["dk_acc"], dv_acc=results["dv_acc"]))
     grads = [dq["dq_acc"], with_keys["dk_acc"], with_keys["dv_acc"]]
     if "sinks" in named:
         sinks = program.arguments("sinks_grad", **named)
@@ -84,4 +89,17 @@ def _sent_on(held: dict, results: dict, sharding) -> dict:
     import torch_xla.core.xla_model as xm
 
     xm.optimization_barrier_([*held.values(), *results.values()])
-    return sharding.pass_on(held)
+    return _pass_on(sharding, held)
+
+
+def _pass_on(sharding, tensors: dict) -> dict:
+    """Inside the manual-sharding region: each device's tensors sent to the next device of its
+    ring (one collective permute each)."""
+    args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors.values())
+    return dict(zip(tensors, _permute_function(args, sharding.ring_pairs())(list(tensors.values()))))
+
+
+# One in-graph function per shapes and devices: torch_xla then sees the same graph every step.
+@functools.lru_cache(maxsize=policy.IN_GRAPH)
+def _permute_function(args: tuple, pairs: tuple):
+    return _compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))

@@ -210,12 +210,6 @@ class Sharding:
         axis, on every ring of the mesh."""
         return tuple((int(r[i]), int(r[(i + 1) % len(r)])) for r in self._rings() for i in range(len(r)))
 
-    def pass_on(self, tensors: dict) -> dict:
-        """Inside the manual-sharding region: each device's tensors sent to the next device of its
-        ring (one collective permute each)."""
-        args = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors.values())
-        return dict(zip(tensors, _permute_function(args, self.ring_pairs())(list(tensors.values()))))
-
     def _global(self, local: torch.Tensor, role: str) -> torch.Tensor:
         """A device's output back as the global tensor. Gradients that sum over rows other devices
         hold (the sinks' over the batch and the sequence, dk and dv over the query sequence) are
@@ -237,11 +231,6 @@ class Sharding:
 
 
 # One in-graph function per shapes and devices: torch_xla then sees the same graph every step.
-@functools.lru_cache(maxsize=policy.IN_GRAPH)
-def _permute_function(args: tuple, pairs: tuple):
-    return _compat.in_graph_function("ring_permute", jax_transport.permute_module(args, pairs))
-
-
 @functools.lru_cache(maxsize=policy.IN_GRAPH)
 def _exchange_function(args: tuple, dims: tuple, moves: tuple, in_turn: bool):
     return _compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves, in_turn))
