@@ -7,7 +7,7 @@ torch_xla. Prints one JSON line per result.
                             compiled for one chip of each generation, then a line {"done": name}.
                             A case may name "mosaic_version".
     torchtpu GEN[,GEN...]   the same, each program exported as TorchTPU's jax_op exports it
-                            (torch_splash_jax.transport.export_for_torchtpu) and compiled from that
+                            (`_export_as_torchtpu`, as torch.tpu.pallas.jax_op) and compiled from that
                             StableHLO module, the bytes TorchTPU's runtime would compile.
     step                    the HLO of a torch_xla training step of a small transformer (forward,
                             loss, backward, SGD update) with the kernels planned for TPU, compiled
@@ -142,12 +142,33 @@ def _in_graph_module(program, plan, kind, version):
     return proto, proto.count(b"tpu_custom_call"), aot.compile_hlo
 
 
+def _export_as_torchtpu(fn, args: tuple, mosaic_version: int):
+    """`fn` at these (shape, dtype name) arguments exported exactly as TorchTPU's `jax_op` exports
+    `numbered_program` (jax.export for TPU, custom calls allowed) at this Mosaic IR version."""
+    import jax
+    import jax.export
+    import jax.numpy as jnp
+
+    from torch_splash_jax import compat
+    from torch_splash_jax.transport import numbered_program, program_number
+
+    structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
+    exporter = jax.export.export(
+        jax.jit(numbered_program, static_argnums=(1,), keep_unused=True),
+        platforms=["tpu"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ALL")],
+    )
+    with compat.export_ignoring_forward_compatibility(), compat.mosaic_ir_version(mosaic_version):
+        return exporter(structs, program_number(fn))
+
+
 def _torchtpu_module(program, plan, kind, version):
     """The StableHLO module TorchTPU's jax_op registers with its runtime, and how it compiles."""
-    from torch_splash_jax import aot, compat
-    from torch_splash_jax.transport import export_for_torchtpu
+    from torch_splash_jax import aot, compat, mosaic
 
-    exported = export_for_torchtpu(getattr(program, kind), program_args(plan, kind), version)
+    exported = _export_as_torchtpu(
+        getattr(program, kind), program_args(plan, kind), mosaic.ir_version() if version is None else version
+    )
     module = compat.portable_artifact_module(exported.mlir_module_serialized)
     return module, exported.mlir_module().count("tpu_custom_call"), aot.compile_stablehlo
 

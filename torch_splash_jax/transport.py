@@ -206,20 +206,3 @@ def numbered_program(tensors: list[jax.Array], program: int) -> list[jax.Array]:
     exports (for TPU, with `jax.export`) and registers as the custom op torch_splash::tpu_program."""
     out = _BY_NUMBER[program](*tensors)
     return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def export_for_torchtpu(fn, args: tuple[tuple[tuple[int, ...], str], ...], mosaic_version: int | None = None):
-    """`fn` at these (shape, dtype name) arguments exported exactly as TorchTPU's `jax_op` exports
-    `numbered_program` (jax.export for TPU, newest serialization, custom calls allowed), at the
-    Mosaic IR version `torch_splash_jax.mosaic` decides: the module TorchTPU's runtime compiles."""
-    import jax.export
-
-    structs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in args]
-    version = mosaic.ir_version() if mosaic_version is None else mosaic_version
-    exporter = jax.export.export(
-        jax.jit(numbered_program, static_argnums=(1,), keep_unused=True),
-        platforms=["tpu"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ALL")],
-    )
-    with compat.export_ignoring_forward_compatibility(), compat.mosaic_ir_version(version):
-        return exporter(structs, program_number(fn))
