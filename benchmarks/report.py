@@ -606,11 +606,12 @@ SECTIONS = {
         "scheduled for each path through the grid loop times the grid steps that take it, over the clock (times the "
         "generation's clock factor), plus the bytes it moves over the HBM bandwidth, plus a stall per row of the grid. "
         "The sum of schedule and HBM time, not the larger of the two (a floor): before any fitting the floor put 47%, "
-        "40% and 24% of the forward entries within 25% on v5p, v6e and v7x, the sum 83%, 70% and 54%. tokamax's forward "
-        "times are its kernel's alone: at 16K tokens, full mask, v5p, the schedule alone is 5.48 ms against 5.37 "
-        "measured, where XLA's own estimate of the transposes around the kernel would add 0.49 ms. Its backward times "
-        "are its vjp op's, as its cache measured it on (residuals, out, dout, q, k, v): the kernel alone came out under "
-        "every one of them, by 5% to 43%, and the estimate adds the bytes the op's transposes and scaling move.",
+        "40% and 24% of the forward entries within 25% on v5p, v6e and v7x, the sum 83%, 70% and 54%. tokamax's "
+        "forward times are its kernel's alone: at 16K tokens, full mask, v5p, the schedule alone is 5.48 ms against "
+        "5.37 measured, where XLA's own estimate of the transposes around the kernel would add 0.49 ms. Its backward "
+        "times are its vjp op's, as its cache measured it on (residuals, out, dout, q, k, v): the kernel alone came "
+        "out under every one of them, by 5% to 43%, and the estimate adds the bytes the op's transposes and scaling "
+        "move.",
         _tpu_time,
     ),
 }
