@@ -174,8 +174,11 @@ def _tokamax_program(entry: Entry):
     def fn(residuals, out, dout, q, k, v):
         return vjp(residuals, out, dout, q, k, v, **passed)
 
-    return fn, ((residual, residual), out, out, *args), {"dkv": work(dkv_work, vjp.config.block_q_dkv,
-                                                                      vjp.config.block_kv_dkv, fused=True)}
+    return (
+        fn,
+        ((residual, residual), out, out, *args),
+        {"dkv": work(dkv_work, vjp.config.block_q_dkv, vjp.config.block_kv_dkv, fused=True)},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
