@@ -232,6 +232,32 @@ def test_an_mxu_bound_kernel_carries_the_chip_s_multiply_adds_per_bundle(generat
     assert macs == pytest.approx(tpu_time.CHIPS[generation].macs_per_bundle, rel=0.05)
 
 
+BACKWARD_ENTRY = """
+import json, sys
+from torch_splash_jax import calibration
+(result,) = calibration.calibrate("v7x", "backward", only=sys.argv[1], log=lambda line: None)
+print(json.dumps(dict(kinds=[k.kind for k in result.estimate.kernels], around=result.estimate.rest_hbm_seconds,
+                      estimate=result.seconds(*calibration._constants("v7x")), measured=result.entry.measured_ms)))
+"""
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_tokamax_s_backward_is_estimated_as_its_cache_measured_it(tmp_path):
+    """tokamax timed its vjp op alone (the fused dkv kernel and the XLA ops around it, no
+    forward): the calibration compiles that op, and its estimate adds those ops' HBM traffic."""
+    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
+    env = tpu_time.environment(LIBTPU, str(tmp_path))
+    entry = "bwd bf16[16,1024,16,128] kv[16,1024,16,128] causal"
+    done = subprocess.run([sys.executable, "-c", BACKWARD_ENTRY, entry], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["kinds"] == ["dkv"]
+    # its transposes of q, k, v, out, dout and the three gradients: 8 x 2 x 16 x 1024 x 16 x 128 bf16 bytes at least
+    assert result["around"] >= 8 * 2 * 2 * 16 * 1024 * 16 * 128 / tpu_time.CHIPS["v7x"].hbm_bandwidth
+    assert result["estimate"] * 1e3 == pytest.approx(result["measured"], rel=0.25)
+
+
 @pytest.mark.torchtpu
 @needs_libtpu
 def test_a_libtpu_that_writes_no_schedule_is_an_error_naming_its_release(tmp_path):
