@@ -167,7 +167,12 @@ def _tokamax_program(entry: Entry):
         use_experimental_scheduler=False,
     )
     recording = tk_fwd.PallasMosaicTpuFlashAttention(vjp=record, config=fwd_config, bypass_device_check=True)
-    jax.eval_shape(lambda q, k, v: jax.vjp(lambda *qkv: recording(*qkv, **kwargs), q, k, v)[1](q), *args)
+
+    def probe(q, k, v):
+        out, pullback = jax.vjp(lambda *qkv: recording(*qkv, **kwargs), q, k, v)
+        return pullback(out)
+
+    jax.eval_shape(probe, *args)
     residual = jax.ShapeDtypeStruct((*batch, heads, q_len), jnp.float32)
     out = jax.ShapeDtypeStruct((*batch, q_len, heads, head_dim_v), dtype)
 
