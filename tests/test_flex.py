@@ -186,6 +186,32 @@ def test_a_mask_that_differs_across_the_batch_runs_each_element_with_its_own_tab
     assert per_head[0] is per_head[1] and isinstance(per_head[0], MultiHeadMask)
 
 
+def test_layers_that_share_a_block_mask_convert_it_once_yet_see_every_change(monkeypatch):
+    """A model's layers pass one BlockMask: its masks are kept while its tables and the tensors its
+    mask_mod reads are unchanged, and converted again after an in-place change or a new tensor."""
+    from torch_splash import flex
+
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 140]))[None]
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    block_mask = create_block_mask(and_masks(causal, same_document), 1, None, 300, 300, device="cpu")
+    converted, convert = [], flex._convert
+    monkeypatch.setattr(flex, "_convert", lambda *args: converted.append(args) or convert(*args))
+    first = block_mask_masks(block_mask, 1, 2, 300, 300)
+    assert block_mask_masks(block_mask, 1, 2, 300, 300) is first and len(converted) == 1
+    assert block_mask_masks(block_mask, 1, 4, 300, 300) is not first and len(converted) == 2  # another call shape
+    doc[0, 150:] = 5  # in place: the documents now split at 150, not 160
+    moved = block_mask_masks(block_mask, 1, 2, 300, 300)
+    assert len(converted) == 3 and moved[0] != first[0]
+    flex._CONVERTED.clear()
+    assert block_mask_masks(block_mask, 1, 2, 300, 300)[0] == moved[0]  # what a first conversion gives
+    doc = torch.zeros_like(doc)  # the mask_mod now reads another tensor: one document
+    one = block_mask_masks(block_mask, 1, 2, 300, 300)
+    assert len(converted) == 5 and one[0] != moved[0]
+
+
 def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():
     """A document-causal mask at 4096 tokens: the forward kernel's tables visit exactly the kernel
     blocks that hold an allowed pair, and the mask stores only the elements of torch's 128 x 128

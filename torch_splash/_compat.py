@@ -79,20 +79,29 @@ def mask_mod_indexing():
     return TransformGetItemToIndex()
 
 
-def mask_mod_reads(fn, device) -> tuple[bool, bool, bool, bool]:
-    """Which of its arguments (b, h, q_idx, kv_idx) a mask_mod's computation reads, from a trace of
-    it on 0-d index tensors (torch.fx's make_fx, under the indexing mode above). Where it cannot be
-    traced, every argument counts as read."""
+def mask_mod_reads(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | None]:
+    """Which of its arguments (b, h, q_idx, kv_idx) a mask_mod's computation reads, and the tensors
+    it reads besides them (the very objects it captured), from a trace of it on 0-d index tensors
+    (torch.fx's make_fx, under the indexing mode above). Where it cannot be traced, every argument
+    counts as read and its tensors are unknown (None)."""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
         with mask_mod_indexing():
-            graph = make_fx(fn)(*(torch.tensor(0, device=device) for _ in range(4))).graph
+            module = make_fx(fn)(*(torch.tensor(0, device=device) for _ in range(4)))
     except Exception:  # noqa: BLE001  any failure only costs the evaluation at every (b, h)
-        return (True, True, True, True)
-    reads = tuple(bool(node.users) for node in graph.nodes if node.op == "placeholder")
-    return reads if len(reads) == 4 else (True, True, True, True)
+        return (True, True, True, True), None
+    reads = tuple(bool(node.users) for node in module.graph.nodes if node.op == "placeholder")
+    captured = tuple(getattr(module, node.target) for node in module.graph.nodes if node.op == "get_attr")
+    if len(reads) != 4 or not all(isinstance(t, torch.Tensor) for t in captured):
+        return (True, True, True, True), None
+    return reads, captured
+
+
+def tensor_version(t) -> int:
+    """The version counter torch bumps on every in-place change of a tensor (and of its views)."""
+    return t._version
 
 
 def register_constant(cls: type) -> None:

@@ -41,6 +41,9 @@ TABLE_TENSORS = 64
 IN_GRAPH = 512
 # torch_splash._compile.from_source: masks rebuilt from their torch.compile source text; tiny.
 MASK_SOURCES = 256
+# torch_splash.flex: the masks of the BlockMasks converted last (a model's layers share one), each
+# holding the partial blocks its mask_mod evaluated: keep few.
+FLEX_MASKS = 8
 # torch_splash.masks._resolve_mask_mod: a FlexAttention mask_mod evaluated densely, (H, Lq, Lkv)
 # bools each: keep few.
 MASK_MODS = 32
