@@ -8,8 +8,9 @@ CPU time against torch's own flex_attention.
    `torch_splash.flex_attention` with the BlockMask.
 2. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
    lengths; the second call, so its compile is not counted), turning its BlockMask into splash
-   masks (`torch_splash.flex.block_mask_masks`), and building the TPU plan's block tables
-   (`torch_splash_jax.program`, tables only: its functions are jitted on first call).
+   masks (`torch_splash.flex.block_mask_masks`), building the TPU plan's block tables
+   (`torch_splash_jax.program`, tables only: its functions are jitted on first call), and both
+   again for the next layer, which passes the same BlockMask.
 3. CPU time of a forward and backward: torch's flex_attention eager and compiled, and
    torch_splash.flex_attention (interpret-mode kernels), as ratios to torch's eager.
 
@@ -97,8 +98,8 @@ def hbm(length: int, impl: str, generation: str = "v5e") -> dict:
 
 
 def host_cost(length: int) -> dict:
-    """Seconds of create_block_mask, of turning its BlockMask into splash masks, and of the TPU
-    plan's block tables."""
+    """Seconds of create_block_mask, of turning its BlockMask into splash masks, of the TPU plan's
+    block tables, and of both again for the next layer that passes the same BlockMask."""
     import torch_splash_jax
     from torch_splash.flex import block_mask_masks
     from torch_splash_jax.plan import plan
@@ -110,9 +111,9 @@ def host_cost(length: int) -> dict:
     start = time.perf_counter()
     (spec,) = block_mask_masks(mask, 1, HEADS, length, length)
     convert = time.perf_counter() - start
-    start = time.perf_counter()
-    torch_splash_jax.program(
-        plan(
+
+    def tables_of(spec):
+        planned = plan(
             batch=1,
             num_q_heads=HEADS,
             num_kv_heads=KV_HEADS,
@@ -123,12 +124,19 @@ def host_cost(length: int) -> dict:
             mask=spec,
             platform="tpu",
         )
-    )
+        return torch_splash_jax.program(planned)
+
+    start = time.perf_counter()
+    tables_of(spec)
     tables = time.perf_counter() - start
+    start = time.perf_counter()
+    tables_of(*block_mask_masks(mask, 1, HEADS, length, length))
+    next_layer = time.perf_counter() - start
     return dict(
         create_block_mask_s=round(create, 3),
         to_masks_s=round(convert, 3),
         tables_s=round(tables, 3),
+        next_layer_s=round(next_layer, 4),
         partial_blocks=int((spec.kinds == 1).sum()),
         full_blocks=int((spec.kinds == 2).sum()),
         blocks=int(spec.kinds.size),
