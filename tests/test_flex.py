@@ -187,14 +187,15 @@ def test_a_mask_that_differs_across_the_batch_runs_each_element_with_its_own_tab
 
 
 def test_layers_that_share_a_block_mask_convert_it_once_yet_see_every_change(monkeypatch):
-    """A model's layers pass one BlockMask: its masks are kept while its tables and the tensors its
-    mask_mod reads are unchanged, and converted again after an in-place change or a new tensor."""
+    """A model's layers pass one BlockMask: its masks are kept while its tables, the tensors its
+    mask_mod reads and the numbers it captured are unchanged, and converted again after an in-place
+    change, a new tensor or a new number."""
     from torch_splash import flex
 
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 140]))[None]
+    doc, reach = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 140]))[None], 1000
 
     def same_document(b, h, q_idx, kv_idx):
-        return doc[b, q_idx] == doc[b, kv_idx]
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx - kv_idx < reach)
 
     block_mask = create_block_mask(and_masks(causal, same_document), 1, None, 300, 300, device="cpu")
     converted, convert = [], flex._convert
@@ -210,6 +211,10 @@ def test_layers_that_share_a_block_mask_convert_it_once_yet_see_every_change(mon
     doc = torch.zeros_like(doc)  # the mask_mod now reads another tensor: one document
     one = block_mask_masks(block_mask, 1, 2, 300, 300)
     assert len(converted) == 5 and one[0] != moved[0]
+    reach = 20  # and another number: a window inside the one document
+    window = block_mask_masks(block_mask, 1, 2, 300, 300)
+    assert len(converted) == 6 and window[0] != one[0]
+    assert block_mask_masks(block_mask, 1, 2, 300, 300) is window and len(converted) == 6
 
 
 def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():

@@ -79,11 +79,11 @@ def mask_mod_indexing():
     return TransformGetItemToIndex()
 
 
-def mask_mod_reads(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | None]:
-    """Which of its arguments (b, h, q_idx, kv_idx) a mask_mod's computation reads, and the tensors
-    it reads besides them (the very objects it captured), from a trace of it on 0-d index tensors
-    (torch.fx's make_fx, under the indexing mode above). Where it cannot be traced, every argument
-    counts as read and its tensors are unknown (None)."""
+def mask_mod_trace(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | None, str | None]:
+    """A mask_mod traced on 0-d index tensors (torch.fx's make_fx, under the indexing mode above):
+    which of its arguments (b, h, q_idx, kv_idx) its computation reads, the tensors it reads besides
+    them (the very objects it captured), and the traced code (the scalars it captured are constants
+    there). Where it cannot be traced: every argument counts as read, and the rest is unknown (None)."""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -91,12 +91,14 @@ def mask_mod_reads(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | N
         with mask_mod_indexing():
             module = make_fx(fn)(*(torch.tensor(0, device=device) for _ in range(4)))
     except Exception:  # noqa: BLE001  any failure only costs the evaluation at every (b, h)
-        return (True, True, True, True), None
+        return (True, True, True, True), None, None
     reads = tuple(bool(node.users) for node in module.graph.nodes if node.op == "placeholder")
+    if len(reads) != 4:
+        return (True, True, True, True), None, None
     captured = tuple(getattr(module, node.target) for node in module.graph.nodes if node.op == "get_attr")
-    if len(reads) != 4 or not all(isinstance(t, torch.Tensor) for t in captured):
-        return (True, True, True, True), None
-    return reads, captured
+    if not all(isinstance(t, torch.Tensor) for t in captured):
+        return reads, None, None
+    return reads, captured, module.code
 
 
 def tensor_version(t) -> int:

@@ -134,47 +134,43 @@ def _head_mask(mask_mod, b: int, h: int, kinds: torch.Tensor, shape, block_shape
 # The masks of the BlockMasks converted last, by id: a model's layers share one BlockMask, and its
 # conversion (the partial blocks evaluated, the masks hashed) costs 0.03 s at 8K tokens and 0.3 s at
 # 128K per call. An entry serves a call while its BlockMask is alive and the call's shape, the
-# BlockMask's own tables and every tensor its mask_mod reads are the same objects at the same
-# version (an in-place change counts); a mask_mod that cannot be traced is converted at every call.
+# BlockMask's mask_mod and its traced code (the scalars it captured included), its own tables and
+# every tensor the mask_mod reads are the same, the tensors the same objects at the same version (an
+# in-place change counts). A mask_mod that cannot be traced is converted at every call.
 _CONVERTED: collections.OrderedDict[int, tuple] = collections.OrderedDict()
 
 
-def _unchanged(tensors: tuple) -> tuple:
+def _versions(tensors: tuple) -> tuple:
     return tuple((t, _compat.tensor_version(t)) for t in tensors)
 
 
-def _same(held: tuple, tensors: tuple) -> bool:
-    return len(held) == len(tensors) and all(
-        t is u and _compat.tensor_version(u) == version for (t, version), u in zip(held, tensors)
-    )
+def _same(held: tuple, now: tuple) -> bool:
+    return len(held) == len(now) and all(t is u and version == w for (t, version), (u, w) in zip(held, now))
 
 
 def block_mask_masks(block_mask, batch: int, heads: int, q_len: int, kv_len: int) -> list:
     """The masks a BlockMask means for a (batch, heads, Lq, Lkv) call: one per batch element (one
     mask, or a MultiHeadMask), all equal when the mask does not depend on b."""
     _check_block_mask(block_mask, batch, heads, q_len, kv_len)
-    device = block_mask.kv_num_blocks.device
-    reads, captured = _compat.mask_mod_reads(block_mask.mask_mod, device)
-    own = tuple(
-        t
-        for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                  block_mask.full_kv_indices)
-        if t is not None
-    )  # fmt: skip
-    tensors, shape = own + (captured or ()), (batch, heads, q_len, kv_len)
-    held = _CONVERTED.get(id(block_mask))
-    if captured is not None and held is not None:
-        alive, held_shape, held_tensors, masks = held
-        if alive() is block_mask and held_shape == shape and _same(held_tensors, tensors):
-            _CONVERTED.move_to_end(id(block_mask))
+    reads, captured, code = _compat.mask_mod_trace(block_mask.mask_mod, block_mask.kv_num_blocks.device)
+    if captured is None:
+        return _convert(block_mask, reads, batch, heads, q_len, kv_len)
+    own = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    now = _versions(tuple(t for t in own if t is not None) + captured)
+    signature = ((batch, heads, q_len, kv_len), tuple(block_mask.BLOCK_SIZE), code)
+    key = id(block_mask)
+    held = _CONVERTED.get(key)
+    if held is not None:
+        alive, mask_mod, held_signature, held_tensors, masks = held
+        same_mask_mod = mask_mod is block_mask.mask_mod and held_signature == signature
+        if alive() is block_mask and same_mask_mod and _same(held_tensors, now):
+            _CONVERTED.move_to_end(key)
             return masks
     masks = _convert(block_mask, reads, batch, heads, q_len, kv_len)
-    if captured is not None:
-        key = id(block_mask)
-        alive = weakref.ref(block_mask, lambda _: _CONVERTED.pop(key, None))
-        _CONVERTED[key] = (alive, shape, _unchanged(tensors), masks)
-        while len(_CONVERTED) > policy.FLEX_MASKS:
-            _CONVERTED.popitem(last=False)
+    alive = weakref.ref(block_mask, lambda _: _CONVERTED.pop(key, None))
+    _CONVERTED[key] = (alive, block_mask.mask_mod, signature, now, masks)
+    while len(_CONVERTED) > policy.FLEX_MASKS:
+        _CONVERTED.popitem(last=False)
     return masks
 
 

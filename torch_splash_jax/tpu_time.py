@@ -673,9 +673,7 @@ def estimate_json(estimate: Estimate) -> dict:
 
 def estimate_from_json(data: dict) -> Estimate:
     kernels = tuple(KernelTime(**kernel) for kernel in data["kernels"])
-    return Estimate(
-        data["generation"], kernels, data["rest_seconds"], data.get("libtpu"), data.get("rest_hbm_seconds", 0.0)
-    )
+    return Estimate(data["generation"], kernels, data["rest_seconds"], data.get("libtpu"), data["rest_hbm_seconds"])
 
 
 def estimate_in_subprocess(plan, generation: str, backward: bool = True, libtpu_dir: str | None = None) -> Estimate:
