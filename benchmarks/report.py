@@ -449,22 +449,29 @@ def _blocks(b: dict) -> str:
 
 
 def _tpu_time_search(rows: list) -> list[str]:
+    from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES
+
     names = [n for n in rows[0]["ms"] if n != "planned"]  # every row runs the same candidates
     lines = [
         "",
         "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan and of torch_splash's plan, "
         "causal, B=1, 16 heads, bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in "
-        "bench_tpu_time.CANDIDATES); a fused candidate's time is followed by its dq buffer, in q's, in braces. "
-        "The plan fuses the backward only while that buffer is at most 8 q's. Estimated "
+        "bench_tpu_time.CANDIDATES); a fused candidate's time is followed by its dq buffer, in q's, in braces "
+        "(16 q's are 2 GiB at these shapes). The plan fuses the backward only while that buffer is at most 8 q's or "
+        f"{FUSED_DQ_BUFFER_BYTES / 2**30:g} GiB, whichever allows more (its bound). Estimated "
         f"{'with' if rows[0].get('calibrated') else 'before'} the fitted numbers.",
         "",
-        "| chip | L | D | " + " | ".join(names) + " | planned | planned / fastest | planned / fastest within 8 q's |",
+        "| chip | L | D | "
+        + " | ".join(names)
+        + " | planned | planned / fastest | planned / fastest within its bound |",
         "|---|---|---|" + "---|" * (len(names) + 3),
     ]
     for row in rows:
         ms, buffers = row["ms"], row.get("dq_buffer", {})
         timed = {k: v for k, v in ms.items() if isinstance(v, float) and k != "planned"}
-        bounded = {k: v for k, v in timed.items() if buffers.get(k, 0) <= 8}
+        q_bytes = row["L"] * 16 * row["head_dim"] * 2
+        bounded = {k: v for k, v in timed.items() if buffers.get(k, 0) * q_bytes <= FUSED_DQ_BUFFER_BYTES
+                   or buffers[k] <= 8}  # fmt: skip
         cells = [
             (f"{ms[n]:.2f}" + (f" {{{buffers[n]}}}" if n in buffers else "")) if isinstance(ms[n], float) else "refused"
             for n in names

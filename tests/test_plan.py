@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch_splash_jax
-from torch_splash_jax.plan import LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
+from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES, LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
 
 lengths = st.integers(1, 70_000)
 maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
@@ -38,10 +38,11 @@ def user_blocks(draw):
     user=user_blocks(),
     platform=st.sampled_from(["cpu", "tpu"]),
     head_dim=st.sampled_from([64, 128, 256, 512]),
+    q_row_bytes=st.sampled_from([0, 16 * 2 * 128, 64 * 2 * 256]),
 )
-def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform, head_dim):
+def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platform, head_dim, q_row_bytes):
     try:
-        q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim)
+        q_pad, kv_pad, blocks = plan_blocks(q_len, kv_len, user, platform, head_dim, q_row_bytes=q_row_bytes)
     except torch_splash_jax.SplashConstraintError as refused:
         # only on TPU: explicit blocks too large for VMEM, or too small for the tables to fit SMEM
         assert platform == "tpu" and ("the TPU's VMEM" in str(refused) or "SMEM holds" in str(refused))
@@ -50,8 +51,9 @@ def test_every_plan_satisfies_every_kernel_constraint(q_len, kv_len, user, platf
     if platform == "tpu":
         if b["use_fused_bwd_kernel"]:  # the fused dkv kernel also holds dq for a compute block
             assert b["block_q_dkv"] * b["block_kv_dkv_compute"] * max(head_dim, LANES) <= VMEM_BUDGET // 2
-            if user.use_fused_bwd_kernel is None:  # planned fused: its dq buffer stays at most 8 q's
-                assert kv_pad // b["block_kv_dkv"] <= 8
+            if user.use_fused_bwd_kernel is None:  # planned fused: its dq buffer stays at most 8 q's or 2 GiB
+                copies = kv_pad // b["block_kv_dkv"]
+                assert copies <= 8 or 0 < copies * q_pad * q_row_bytes <= FUSED_DQ_BUFFER_BYTES
         for q_name, kv_name in (
             ("block_q", "block_kv"),
             ("block_q_dkv", "block_kv_dkv"),
@@ -138,22 +140,30 @@ def test_the_fused_backward_s_compute_block_fits_vmem():
     assert dict(plan_blocks(4096, 4096, separate, "tpu", 256)[2])["block_kv_dkv_compute"] == 1024
 
 
+SIXTEEN_HEADS = 16 * 2  # q's bytes per query position and head_dim: B=1, 16 heads, bf16
+
+
 @pytest.mark.parametrize(
-    "length,head_dim,dkv,fused",
+    "length,head_dim,q_row_bytes,dkv,fused",
     [
-        (16384, 128, (1024, 2048), True),
-        (32768, 128, (512, 4096), True),  # the same VMEM, its dq buffer kept to 8 q's
-        (65536, 128, (1024, 2048), False),
-        (8192, 256, (1024, 1024), True),
-        (16384, 256, (512, 2048), True),  # traded as at 128, its compute block halved to fit VMEM
-        (32768, 256, (1024, 1024), False),
+        (16384, 128, 0, (1024, 2048), True),
+        (32768, 128, 0, (512, 4096), True),  # the same VMEM, its dq buffer kept to 8 q's
+        (32768, 128, SIXTEEN_HEADS * 128, (1024, 2048), True),  # 16 q's are 2 GiB: kept
+        (32768, 128, 4 * SIXTEEN_HEADS * 128, (512, 4096), True),  # at B=4 they would be 8 GiB
+        (65536, 128, SIXTEEN_HEADS * 128, (1024, 2048), False),  # 16 q's at 512 x 4096 are 4 GiB
+        (8192, 256, 0, (1024, 1024), True),
+        (16384, 256, 0, (512, 2048), True),  # traded as at 128, its compute block halved to fit VMEM
+        (16384, 256, SIXTEEN_HEADS * 256, (1024, 1024), True),
+        (32768, 256, 0, (1024, 1024), False),
     ],
 )
-def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length, head_dim, dkv, fused):
+def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length, head_dim, q_row_bytes, dkv, fused):
     """JAX's fused backward keeps a dq per kv block of the dkv kernel (at 128K tokens, 16 heads,
-    2048-token kv blocks: 32 GiB); the plan fuses while that is at most 8 q's, else runs the dq
-    kernel, and an explicit choice is the caller's."""
-    q_pad, kv_pad, blocks = plan_blocks(length, length, torch_splash_jax.BlockSizes(), "tpu", head_dim)
+    2048-token kv blocks: 32 GiB); the plan fuses while that is at most 8 q's or 2 GiB, trading q
+    blocks for kv blocks to get there, else runs the dq kernel; an explicit choice is the caller's."""
+    q_pad, kv_pad, blocks = plan_blocks(
+        length, length, torch_splash_jax.BlockSizes(), "tpu", head_dim, q_row_bytes=q_row_bytes
+    )
     blocks = dict(blocks)
     assert (blocks["block_q_dkv"], blocks["block_kv_dkv"]) == dkv
     assert blocks["use_fused_bwd_kernel"] is fused
@@ -161,6 +171,8 @@ def test_the_tpu_plan_fuses_the_backward_while_its_dq_buffer_stays_small(length,
     assert (blocks["block_q"], blocks["block_kv"]) == ((2048, 1024) if head_dim == 128 else (1024, 1024))
     if fused:
         assert blocks["block_kv_dkv_compute"] == (256 if dkv == (512, 2048) and head_dim == 256 else 512)
+        copies = kv_pad // blocks["block_kv_dkv"]
+        assert copies <= 8 or copies * q_pad * q_row_bytes <= FUSED_DQ_BUFFER_BYTES
     explicit = dict(
         plan_blocks(length, length, torch_splash_jax.BlockSizes(use_fused_bwd_kernel=True), "tpu", head_dim)[2]
     )

@@ -91,8 +91,9 @@ DEFAULT = [
     _case("flex-documents-32k", 16, 8, 32768, 32768, 128, "bfloat16", "documents"),
     # the fused backward planned at head_dim 256: its compute block halved to fit VMEM
     _case("fused-d256-4k", 4, 2, 4096, 4096, 256, "bfloat16", "CausalMask(0)"),
-    # and at 16K, traded to 512 x 2048 to keep its dq buffer to 8 q's, compute block halved again
-    _case("fused-d256-16k", 4, 2, 16384, 16384, 256, "bfloat16", "CausalMask(0)"),
+    # and at 16K, B=8, traded to 512 x 2048 to keep its dq buffer to 8 q's (16 would be 4 GiB),
+    # compute block halved again
+    _case("fused-d256-16k", 4, 2, 16384, 16384, 256, "bfloat16", "CausalMask(0)", batch=8),
     _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)", blocks=dict(use_fused_bwd_kernel=True)),
     _case(
         "explicit-blocks-1024",

@@ -17,6 +17,7 @@ import pytest
 import torch_splash_jax
 from torch_splash_jax import schedule, tpu_time
 from torch_splash_jax.errors import SplashConstraintError
+from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -303,14 +304,17 @@ def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the
     assert tpu_time.kernel_kind("splash_mqa_dkv.3") == "dkv"
 
 
-def test_the_tpu_plan_is_the_search_s_fastest_within_its_dq_buffer_bound():
+def test_the_tpu_plan_is_the_fastest_configuration_the_search_found():
     """The TPU plan (torch_splash_jax.plan._TARGETS) was chosen from the search in
     benchmarks/results/tpu_time.json (`./dev.sh bench-tpu-time --parts search`): each row's
-    "planned" blocks are what the planner plans today, and their estimated forward+backward is the
-    fastest of the candidates whose fused dq buffer is at most 8 q's (or not fused)."""
+    "planned" blocks are what the planner plans today, their estimated forward+backward is no
+    slower than any candidate's, and their fused dq buffer keeps to the plan's bound (8 q's or
+    FUSED_DQ_BUFFER_BYTES)."""
     rows = json.loads((ROOT / "benchmarks" / "results" / "tpu_time.json").read_text())["search"]
     assert {(r["generation"], r["L"], r["head_dim"]) for r in rows} >= {
-        (g, length, dim) for g in ("v5e", "v5p", "v6e", "v7x") for length, dim in ((8192, 128), (32768, 128))
+        (g, length, dim)
+        for g in ("v5e", "v5p", "v6e", "v7x")
+        for length, dim in ((8192, 128), (32768, 128), (16384, 256))
     }
     for row in rows:
         plan = torch_splash_jax.plan(
@@ -319,6 +323,7 @@ def test_the_tpu_plan_is_the_search_s_fastest_within_its_dq_buffer_bound():
         )  # fmt: skip
         assert row["blocks"]["planned"] == plan.block_sizes(), (row["generation"], row["L"], "re-run the search")
         timed = {n: ms for n, ms in row["ms"].items() if isinstance(ms, float) and n != "planned"}
-        bounded = {n: ms for n, ms in timed.items() if row["dq_buffer"].get(n, 0) <= 8}
-        assert row["ms"]["planned"] <= min(bounded.values()), row
-        assert row["dq_buffer"].get("planned", 0) <= 8
+        assert row["ms"]["planned"] <= min(timed.values()), row
+        copies = row["dq_buffer"].get("planned", 0)
+        q_bytes = plan.q_len_padded * 16 * row["head_dim"] * 2
+        assert copies <= 8 or copies * q_bytes <= FUSED_DQ_BUFFER_BYTES, row

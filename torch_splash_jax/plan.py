@@ -39,9 +39,9 @@ class _Target:
     dq: tuple[int, int]
     compute: int
     # JAX's fused backward writes dq once per kv block of the dkv kernel and sums afterwards: a
-    # buffer of (kv blocks) x q's bytes (at 128K tokens, 16 heads, D=128, 2048 kv blocks: 32 GiB).
-    # Past this many kv blocks the plan takes the separate dq kernel, which keeps no such buffer
-    # (0: always separate).
+    # buffer of (kv blocks) x q's bytes (32 GiB at 128K tokens, 16 heads, D=128, 2048-token kv blocks).
+    # The plan keeps it within this many kv blocks or FUSED_DQ_BUFFER_BYTES, whichever allows more,
+    # and past both takes the separate dq kernel, which keeps no such buffer (0: always separate).
     fused_max_kv_blocks: int | None
 
     def block(self, name: str) -> int:
@@ -100,6 +100,13 @@ SMEM_TABLE_ENTRIES = 1 << 18
 # 1.00M"); stored tables keep to the same 768 KiB.
 SMEM_STORED_TABLE_ENTRIES = SMEM_TABLE_ENTRIES * 3 // 5
 DQ_MAX_Q_BLOCK = 1024
+# The fused backward's dq buffer may always hold `fused_max_kv_blocks` copies of q, and more up to
+# an eighth of the smallest TPU's HBM (v5e, 16 GiB): at 32K tokens, 16 heads, D=128 (and 16K at
+# D=256), B=1 bf16, its 16 copies (2 GiB) keep the dkv kernel's 1024 x 2048 (1024 x 1024) blocks,
+# estimated 1% to 6% faster than the trade to 8 copies (docs/benchmarks.md, "Search"); at 128K
+# tokens 64 copies would be 32 GiB, and at B=4 the same 16 copies 8 GiB.
+FUSED_DQ_BUFFER_BYTES = 2 << 30
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KERNEL_BLOCKS = (
     ("forward", "block_q", "block_kv"),
     ("dq", "block_q_dq", "block_kv_dq"),
@@ -258,10 +265,6 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _blocks_along(length: int, block: int) -> int:
-    return -(-length // block)
-
-
 def lane_padded(length: int) -> int:
     """The length every sequence is padded to at least: the next multiple of the lane width (128).
     A caller that pads keys to it itself (HF decoding) adds no padding the kernel would not."""
@@ -391,18 +394,30 @@ def _fit_fused_compute(blocks: dict, user: BlockSizes, head_dim: int) -> None:
         blocks[name] = halved[name]
 
 
-def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, kv128: int, max_kv_blocks: int) -> None:
+def _dq_buffer_fits(kv_blocks: int, q_len_padded: int, q_row_bytes: int, max_kv_blocks: int) -> bool:
+    """Whether the fused backward's dq buffer (kv_blocks copies of q; q_row_bytes: q's bytes per
+    query position, batch and heads included; 0 when not known) keeps to the plan's bound
+    (`_Target.fused_max_kv_blocks`)."""
+    bytes_fit = 0 < kv_blocks * q_len_padded * q_row_bytes <= FUSED_DQ_BUFFER_BYTES
+    return kv_blocks <= max_kv_blocks or bytes_fit
+
+
+def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, bound: tuple) -> None:
     """Trade the fused dkv kernel's planned q block for kv (the same VMEM) until its dq buffer
-    holds at most `max_kv_blocks` copies of q, down to q blocks of 512.
+    keeps to the plan's bound (`_dq_buffer_fits`; `bound`: its q_row_bytes and max_kv_blocks), down
+    to q blocks of 512.
     Estimated at 32K tokens, 16 heads (docs/benchmarks.md, "Search"): 512 x 4096 takes 2% to 4%
     longer than 1024 x 2048 and 18% to 22% less than the separate dq kernel, v5e to v7x. Above
     head_dim 128 the trade also halves the kv compute block: at head_dim 256, 16K tokens, 512 x 2048
     with compute blocks of 512 ran out of scoped VMEM on v5e and v5p (libtpu 0.0.52) where 256
-    compiled on all four generations: forward+backward 1% to 6% slower than 1024 x 1024 with a dq
-    buffer of 16 q's, and 12% to 19% faster than the separate dq kernel (estimated)."""
+    compiled on all four generations: forward+backward 1% to 6% slower than 1024 x 1024 with twice
+    the dq buffer, and 12% to 19% faster than the separate dq kernel (estimated)."""
     if user.block_q_dkv is not None or user.block_kv_dkv is not None:
         return
-    while _blocks_along(kv128, blocks["block_kv_dkv"]) > max_kv_blocks and blocks["block_q_dkv"] >= 1024:
+    while blocks["block_q_dkv"] >= 1024:
+        q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
+        if _dq_buffer_fits(kv_pad // blocks["block_kv_dkv"], q_pad, *bound):
+            return
         grown = blocks["block_kv_dkv"] * 2
         if grown > kv128 or _round_up(kv128, grown) - kv128 > kv128 // 8:
             return
@@ -494,14 +509,17 @@ def plan_blocks(
     table_heads: int = 1,
     stored: bool = False,
     sequence_sharded: bool = False,
+    q_row_bytes: int = 0,
 ) -> tuple[int, int, tuple]:
-    """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function."""
+    """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function.
+    q_row_bytes: q's bytes per query position (batch x heads x head_dim x itemsize), which sizes the
+    fused backward's dq buffer (0: bound it by its count of q's alone)."""
     _check_user_blocks(user)
     fused = user.use_fused_bwd_kernel
     if fused is None and (user.block_q_dq or user.block_kv_dq):
         fused = False  # the caller asked for dq blocks, so they want the separate dq kernel
     target = _target(platform, sequence_sharded)
-    args = (q_len, kv_len, user, platform, target, head_dim, table_heads, stored)
+    args = (q_len, kv_len, user, platform, target, head_dim, table_heads, stored, q_row_bytes)
     if fused is not None:
         return _planned(*args, fused=fused)
     limit = target.fused_max_kv_blocks
@@ -513,7 +531,7 @@ def plan_blocks(
         if limit is None:
             raise
         return _planned(*args, fused=False)  # the separate kernels may fit where the fused one does not
-    if limit is not None and kv_pad // dict(blocks)["block_kv_dkv"] > limit:
+    if limit is not None and not _dq_buffer_fits(kv_pad // dict(blocks)["block_kv_dkv"], q_pad, q_row_bytes, limit):
         return _planned(*args, fused=False)
     return q_pad, kv_pad, blocks
 
@@ -527,6 +545,7 @@ def _planned(
     head_dim: int,
     table_heads: int,
     stored: bool,
+    q_row_bytes: int,
     fused: bool,
 ) -> tuple[int, int, tuple]:
     q128, kv128 = lane_padded(q_len), lane_padded(kv_len)
@@ -548,7 +567,8 @@ def _planned(
     if platform == "tpu" and fused:
         _fit_fused_compute(blocks, user, head_dim)
         if target.fused_max_kv_blocks:
-            _fit_fused_buffer(blocks, user, head_dim, kv128, target.fused_max_kv_blocks)
+            bound = (q_row_bytes, target.fused_max_kv_blocks)
+            _fit_fused_buffer(blocks, user, head_dim, q128, kv128, bound)
     if platform == "tpu" and fused:  # the fused kernel's blocks changed after the tables were fitted
         _fit_smem(blocks, user, head_dim, q128, kv128, table_heads, stored, grow=False)
     q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
@@ -611,8 +631,9 @@ def plan(
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
     stored = ring or shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
+    q_row_bytes = batch * num_q_heads * head_dim * _ITEMSIZE.get(dtype, 4)
     q_pad, kv_pad, blocks = plan_blocks(
-        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored, q_shards > 1
+        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored, q_shards > 1, q_row_bytes
     )
     return Plan(
         batch=batch,
