@@ -104,7 +104,8 @@ DQ_MAX_Q_BLOCK = 1024
 # an eighth of the smallest TPU's HBM (v5e, 16 GiB): at 32K tokens, 16 heads, D=128 (and 16K at
 # D=256), B=1 bf16, its 16 copies (2 GiB) keep the dkv kernel's 1024 x 2048 (1024 x 1024) blocks,
 # estimated 1% to 6% faster than the trade to 8 copies (docs/benchmarks.md, "Search"); at 128K
-# tokens 64 copies would be 32 GiB, and at B=4 the same 16 copies 8 GiB.
+# tokens 64 copies would be 32 GiB, and at B=4 the same 16 copies 8 GiB. Masks read from stored
+# blocks keep the count bound (`plan`).
 FUSED_DQ_BUFFER_BYTES = 2 << 30
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KERNEL_BLOCKS = (
@@ -631,7 +632,10 @@ def plan(
         raise SplashConstraintError(f"platform={platform!r}: expected one of {sorted(_TARGETS)}.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
     stored = ring or shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
-    q_row_bytes = batch * num_q_heads * head_dim * _ITEMSIZE.get(dtype, 4)
+    # Stored blocks keep the count bound: with them the fused dkv kernel at 512 x 2048 ran out of
+    # VMEM in a 32K-token torch_xla step (FlexAttention's document mask, 16 heads, v5e, libtpu
+    # 0.0.21), where the count bound runs the dq kernel.
+    q_row_bytes = 0 if stored else batch * num_q_heads * head_dim * _ITEMSIZE.get(dtype, 4)
     q_pad, kv_pad, blocks = plan_blocks(
         q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored, q_shards > 1, q_row_bytes
     )
