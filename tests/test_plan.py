@@ -242,3 +242,24 @@ def test_a_tpu_plan_of_a_sharded_query_sequence_keeps_512_blocks_and_the_dq_kern
         blocks = plan.block_sizes()
         assert blocks["use_fused_bwd_kernel"] is False
         assert {blocks[n] for n in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq")} == {512}
+
+
+def test_the_dq_buffer_byte_bound_follows_the_call_and_leaves_stored_masks_to_the_count():
+    """plan() sizes the fused backward's dq buffer from the call (batch, heads, head_dim, dtype):
+    at 32K tokens, 16 bf16 heads of 128, its 16 q's (2 GiB) are kept at B=1 and traded at B=4. A
+    mask read from stored blocks keeps the count bound (its fused 512 x 2048 overran VMEM)."""
+    causal = torch_splash_jax.CausalMask()
+    per_head = torch_splash_jax.MultiHeadMask(
+        tuple(causal if h % 2 else torch_splash_jax.LocalMask(4095, 0) for h in range(16))
+    )
+
+    def dkv(batch, mask, dtype="bfloat16"):
+        blocks = torch_splash_jax.plan(
+            q_len=32768, num_q_heads=16, head_dim=128, batch=batch, dtype=dtype, mask=mask, platform="tpu"
+        ).block_sizes()
+        return blocks["use_fused_bwd_kernel"], blocks["block_q_dkv"], blocks["block_kv_dkv"]
+
+    assert dkv(1, causal) == (True, 1024, 2048)
+    assert dkv(4, causal) == (True, 512, 4096)
+    assert dkv(1, causal, "float32") == (True, 512, 4096)  # twice the bytes
+    assert dkv(1, per_head) == (False, 1024, 1024)
