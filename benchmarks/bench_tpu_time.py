@@ -120,39 +120,72 @@ def _comparison_row(case: tuple, names=("maxtext", "planned")) -> dict:
     return row
 
 
+# v5e has no tokamax cache: its rows take the configurations tokamax measured on v5p
+CACHE_OF = {"v5e": "v5p"}
+
+
 def _tokamax_row(case: tuple) -> dict | None:
     """tokamax's forward (with residuals, as a training step runs it) for this shape: at the
     configuration its cache measured for it, else at the one it measured for the nearest length
-    of the same heads, head_dim and mask (no measured time then). None where tokamax has no cache
-    (v5e) or the estimator does not read its mask (windows, segment ids)."""
+    of the same heads, head_dim and mask (no measured time then); on v5e, at v5p's. For masks
+    tokamax's TPU op cannot take, what it does instead ("refused"); None where it cached nothing
+    similar."""
     from torch_splash_jax import calibration, tpu_time
 
     generation, mask_name, length, heads, kv_heads, dim = case
-    if generation not in calibration.TOKAMAX_CHIPS or mask_name not in ("causal", "full"):
-        return None
+    if mask_name == "document":
+        return dict(refused="no segment ids: its TPU op takes a document mask only as a dense (L, L) bool array")
+    if mask_name.startswith("window"):
+        return dict(refused=_tokamax_refusal(length, heads, kv_heads, dim, int(mask_name.split()[1])))
+    cache = CACHE_OF.get(generation, generation)
     similar = [
         e
-        for e in calibration.tokamax_entries(generation)
-        if e.q[0] == 1 and e.q[2:] == (heads, dim) and e.k[2] == kv_heads and e.residuals
+        for e in calibration.tokamax_entries(cache)
+        if e.q[3] == dim and e.residuals
         and (e.causal is not None) == (mask_name == "causal") and e.q[1] == e.k[1]
         and not (e.causal or {}).get("window_size") and not (e.causal or {}).get("offset")
     ]  # fmt: skip
     if not similar:
         return None
-    nearest = min(similar, key=lambda e: abs(math.log2(e.q[1] / length)))
+    # the same heads first, then B=1 (GQA 32/8 was measured at B=32 only, and not on v6e), then the nearest length
+    nearest = min(similar, key=lambda e: ((e.q[2], e.k[2]) != (heads, kv_heads), e.q[0] != 1,
+                                          abs(math.log2(e.q[1] / length))))  # fmt: skip
     entry = dataclasses.replace(
         nearest,
         q=(1, length, heads, dim),
         k=(1, length, kv_heads, dim),
         v=(1, length, kv_heads, dim),
-        measured_ms=nearest.measured_ms if nearest.q[1] == length else None,
+        measured_ms=nearest.measured_ms if (*nearest.q[:3], nearest.k[2]) == (1, length, heads, kv_heads) else None,
     )
     fn, args, works = calibration._tokamax_program(entry)
     schedules, hlo = tpu_time.compile_schedules(fn, args, generation)
     result = calibration.Calibrated(entry, tpu_time.program_estimate(schedules, works, hlo, generation))
     blocks = "/".join(str(entry.config[k]) for k in ("block_q", "block_kv", "block_kv_compute"))
     forward_ms = result.seconds(tpu_time.CLOCK_FACTOR.get(generation, 1.0), tpu_time.ROW_STALL) * 1e3
-    return dict(blocks=blocks, forward_ms=forward_ms, measured_ms=entry.measured_ms, cached_at=nearest.q[1])
+    measured = entry.measured_ms if cache == generation else None  # v5p's time is no v5e measurement
+    return dict(blocks=blocks, forward_ms=forward_ms, measured_ms=measured, cached_at=nearest.q[1], cache=cache,
+                cached_batch=nearest.q[0], cached_heads=f"{nearest.q[2]}/{nearest.k[2]}")  # fmt: skip
+
+
+def _tokamax_refusal(length: int, heads: int, kv_heads: int, dim: int, window: int) -> str:
+    """What tokamax's TPU op says, traced on shapes, when asked for a causal window."""
+    import jax
+    import jax.numpy as jnp
+
+    from torch_splash_jax import compat
+
+    tk_fwd, _, tk_splash = compat.tokamax_attention_modules()
+    layout = tk_splash.QKVLayout.HEAD_DIM_MINOR
+    config = tk_fwd.Config(block_q=1024, block_kv=1024, block_kv_compute=512, q_layout=layout, k_layout=layout,
+                           v_layout=layout, use_experimental_scheduler=False)  # fmt: skip
+    op = tk_fwd.PallasMosaicTpuFlashAttention(config=config, bypass_device_check=True)
+    q = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, length, kv_heads, dim), jnp.bfloat16)
+    try:
+        jax.eval_shape(lambda q, k, v: op(q, k, v, mask=compat.tokamax_causal_mask(window)), q, kv, kv)
+    except Exception as error:  # its refusal is the result
+        return f"refused: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return "accepted (not estimated: the estimator reads no windows for tokamax)"
 
 
 def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -> dict:

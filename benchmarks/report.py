@@ -398,8 +398,11 @@ def _tpu_time_comparison(rows: list) -> list[str]:
         "torch_splash's TPU plan before the search below chose it). planned: torch_splash's TPU plan (blocks: "
         "forward q x kv, then the fused dkv kernel's, or dkv and dq). tokamax: its forward at the configuration "
         "its cache measured for the shape, measured time in brackets; where it measured none at that length, at "
-        'the configuration it measured for the nearest one ("from 16K"). Empty: no tokamax cache (v5e) or a mask '
-        "the estimator does not read for tokamax (windows, segment ids). Document: causal with segment ids. Where "
+        'the configuration it measured for the nearest one ("from 16K"; "from B=32, 4K" where it measured those '
+        'heads at B=32 only; "from 16/16 heads, 16K" where it measured them not at all); v5e, for which tokamax '
+        "caches nothing, at the configuration it measured on v5p. "
+        "For windows and segment ids, what tokamax's TPU op (0.0.17) does with them. Document: causal with segment "
+        "ids. Where "
         "JAX's forward is slower than tokamax's, the row names the unit its schedule keeps busiest (docs/tpu_time.md): "
         "where that is not the MXU, JAX's kernel spends its bundles on the softmax's elementwise work (VALU) or on "
         "writing its blocks (store) rather than on matrix multiplies.",
@@ -426,8 +429,16 @@ def _tpu_time_comparison(rows: list) -> list[str]:
             f"{planned['step_ms'] / maxtext['step_ms']:.2f}" if "step_ms" in planned and "step_ms" in maxtext else ""
         )
         tk_cell = tk_ratio = ""
-        if tk:
-            where = f"[{tk['measured_ms']:.3f}]" if tk["measured_ms"] else f"from {tk['cached_at'] // 1024}K"
+        if tk and "refused" in tk:
+            tk_cell = tk["refused"]
+        elif tk:
+            cache, layout = tk.get("cache", row["generation"]), f"{row['heads']}/{row['kv_heads']}"
+            heads, batch = tk.get("cached_heads", layout), tk.get("cached_batch", 1)
+            origin = [f"{cache}'s configuration"] if cache != row["generation"] else []
+            measured_as = ([f"{heads} heads"] if heads != layout else []) + ([f"B={batch}"] if batch != 1 else [])
+            if measured_as or tk["cached_at"] != row["L"]:
+                origin.append("from " + ", ".join([*measured_as, f"{tk['cached_at'] // 1024}K"]))
+            where = f"[{tk['measured_ms']:.3f}]" if tk["measured_ms"] else f"({', '.join(origin)})"
             tk_cell = f"{tk['forward_ms']:.3f} {where} at {tk['blocks']}"
             if "forward_ms" in planned:
                 ratio_tk = planned["forward_ms"] / tk["forward_ms"]

@@ -327,3 +327,15 @@ def test_the_tpu_plan_is_the_fastest_configuration_the_search_found():
         copies = row["dq_buffer"].get("planned", 0)
         q_bytes = plan.q_len_padded * 16 * row["head_dim"] * 2
         assert copies <= 8 or copies * q_bytes <= FUSED_DQ_BUFFER_BYTES, row
+
+
+@pytest.mark.torchtpu
+def test_the_comparison_says_tokamax_refuses_a_window():
+    """The comparison's window rows report what tokamax's TPU op does with a causal window (0.0.17:
+    refuses it), traced on shapes: a tokamax that takes windows fails this, and its rows need an estimate."""
+    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_tpu_time
+
+    said = bench_tpu_time._tokamax_refusal(4096, 8, 8, 128, 1024)
+    assert said.startswith("refused: NotImplementedError"), said

@@ -190,6 +190,13 @@ def tokamax_attention_modules():
     return pallas_mosaic_tpu, pallas_mosaic_tpu_vjp, splash_attention_kernel
 
 
+def tokamax_causal_mask(window_size: int | None = None):
+    """tokamax's causal mask for its attention ops' `mask` argument (a window: the keys each query sees)."""
+    from tokamax._src.ops.attention import base
+
+    return base.CausalMask(window_size=window_size)
+
+
 def kernel_mask_infos(kernel) -> dict:
     """{"forward", "dq", "dkv": MaskInfo or None} of a SplashAttentionKernel (its fields)."""
     return {"forward": kernel.fwd_mask_info, "dq": kernel.dq_mask_info, "dkv": kernel.dkv_mask_info}
