@@ -126,10 +126,10 @@ CACHE_OF = {"v5e": "v5p"}
 
 def _tokamax_row(case: tuple) -> dict | None:
     """tokamax's forward (with residuals, as a training step runs it) for this shape: at the
-    configuration its cache measured for it, else at the one it measured for the nearest length
-    of the same heads, head_dim and mask (no measured time then); on v5e, at v5p's. For masks
-    tokamax's TPU op cannot take, what it does instead ("refused"); None where it cached nothing
-    similar."""
+    configuration its cache measured for it, else at the one it measured nearest (the same
+    head_dim and mask; the same heads and B=1 first, then the nearest length; no measured time
+    then); on v5e, at v5p's. For masks tokamax's TPU op cannot take, what it does instead
+    ("refused"); None where it cached nothing similar."""
     from torch_splash_jax import calibration, tpu_time
 
     generation, mask_name, length, heads, kv_heads, dim = case

@@ -460,7 +460,7 @@ def _blocks(b: dict) -> str:
 
 
 def _tpu_time_search(rows: list) -> list[str]:
-    from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES
+    from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES, dq_buffer_fits
 
     names = [n for n in rows[0]["ms"] if n != "planned"]  # every row runs the same candidates
     lines = [
@@ -480,9 +480,8 @@ def _tpu_time_search(rows: list) -> list[str]:
     for row in rows:
         ms, buffers = row["ms"], row.get("dq_buffer", {})
         timed = {k: v for k, v in ms.items() if isinstance(v, float) and k != "planned"}
-        q_bytes = row["L"] * 16 * row["head_dim"] * 2
-        bounded = {k: v for k, v in timed.items() if buffers.get(k, 0) * q_bytes <= FUSED_DQ_BUFFER_BYTES
-                   or buffers[k] <= 8}  # fmt: skip
+        q_row_bytes = 16 * row["head_dim"] * 2
+        bounded = {k: v for k, v in timed.items() if dq_buffer_fits(buffers.get(k, 0), row["L"], q_row_bytes)}
         cells = [
             (f"{ms[n]:.2f}" + (f" {{{buffers[n]}}}" if n in buffers else "")) if isinstance(ms[n], float) else "refused"
             for n in names

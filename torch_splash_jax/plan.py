@@ -395,17 +395,19 @@ def _fit_fused_compute(blocks: dict, user: BlockSizes, head_dim: int) -> None:
         blocks[name] = halved[name]
 
 
-def _dq_buffer_fits(kv_blocks: int, q_len_padded: int, q_row_bytes: int, max_kv_blocks: int) -> bool:
+def dq_buffer_fits(kv_blocks: int, q_len_padded: int, q_row_bytes: int, max_kv_blocks: int | None = None) -> bool:
     """Whether the fused backward's dq buffer (kv_blocks copies of q; q_row_bytes: q's bytes per
     query position, batch and heads included; 0 when not known) keeps to the plan's bound
-    (`_Target.fused_max_kv_blocks`)."""
+    (max_kv_blocks: `_Target.fused_max_kv_blocks`, by default the TPU plan's)."""
+    if max_kv_blocks is None:
+        max_kv_blocks = _TARGETS["tpu"].fused_max_kv_blocks
     bytes_fit = 0 < kv_blocks * q_len_padded * q_row_bytes <= FUSED_DQ_BUFFER_BYTES
     return kv_blocks <= max_kv_blocks or bytes_fit
 
 
 def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, bound: tuple) -> None:
     """Trade the fused dkv kernel's planned q block for kv (the same VMEM) until its dq buffer
-    keeps to the plan's bound (`_dq_buffer_fits`; `bound`: its q_row_bytes and max_kv_blocks), down
+    keeps to the plan's bound (`dq_buffer_fits`; `bound`: its q_row_bytes and max_kv_blocks), down
     to q blocks of 512.
     Estimated at 32K tokens, 16 heads (docs/benchmarks.md, "Search"): 512 x 4096 takes 2% to 4%
     longer than 1024 x 2048 and 18% to 22% less than the separate dq kernel, v5e to v7x. Above
@@ -417,7 +419,7 @@ def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, q128: int, 
         return
     while blocks["block_q_dkv"] >= 1024:
         q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
-        if _dq_buffer_fits(kv_pad // blocks["block_kv_dkv"], q_pad, *bound):
+        if dq_buffer_fits(kv_pad // blocks["block_kv_dkv"], q_pad, *bound):
             return
         grown = blocks["block_kv_dkv"] * 2
         if grown > kv128 or _round_up(kv128, grown) - kv128 > kv128 // 8:
@@ -532,7 +534,7 @@ def plan_blocks(
         if limit is None:
             raise
         return _planned(*args, fused=False)  # the separate kernels may fit where the fused one does not
-    if limit is not None and not _dq_buffer_fits(kv_pad // dict(blocks)["block_kv_dkv"], q_pad, q_row_bytes, limit):
+    if limit is not None and not dq_buffer_fits(kv_pad // dict(blocks)["block_kv_dkv"], q_pad, q_row_bytes, limit):
         return _planned(*args, fused=False)
     return q_pad, kv_pad, blocks
 
