@@ -468,7 +468,8 @@ def _tpu_time_search(rows: list) -> list[str]:
         "Search: estimated forward+backward kernel time (ms) of each candidate TPU plan and of torch_splash's plan, "
         "causal, B=1, 16 heads, bf16 (blocks: forward q x kv / compute; the dkv and dq kernels' as in "
         "bench_tpu_time.CANDIDATES); a fused candidate's time is followed by its dq buffer, in q's, in braces "
-        "(16 q's are 2 GiB at these shapes). The plan fuses the backward only while that buffer is at most 8 q's or "
+        "(16 q's are 2 GiB at 32K tokens, and at 16K with head_dim 256). The plan fuses the backward only while "
+        "that buffer is at most 8 q's or "
         f"{FUSED_DQ_BUFFER_BYTES / 2**30:g} GiB, whichever allows more (its bound). Estimated "
         f"{'with' if rows[0].get('calibrated') else 'before'} the fitted numbers.",
         "",
