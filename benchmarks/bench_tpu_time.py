@@ -172,12 +172,10 @@ def _tokamax_refusal(length: int, heads: int, kv_heads: int, dim: int, window: i
     import jax
     import jax.numpy as jnp
 
-    from torch_splash_jax import compat
+    from torch_splash_jax import calibration, compat
 
-    tk_fwd, _, tk_splash = compat.tokamax_attention_modules()
-    layout = tk_splash.QKVLayout.HEAD_DIM_MINOR
-    config = tk_fwd.Config(block_q=1024, block_kv=1024, block_kv_compute=512, q_layout=layout, k_layout=layout,
-                           v_layout=layout, use_experimental_scheduler=False)  # fmt: skip
+    tk_fwd, _, _ = compat.tokamax_attention_modules()
+    config = calibration.probe_config(length, length)
     op = tk_fwd.PallasMosaicTpuFlashAttention(config=config, bypass_device_check=True)
     q = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, length, kv_heads, dim), jnp.bfloat16)

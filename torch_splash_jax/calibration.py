@@ -112,6 +112,24 @@ def tokamax_entries(generation: str, direction: str = "forward") -> list[Entry]:
     return entries
 
 
+def probe_config(q_len: int, kv_len: int):
+    """A valid configuration of tokamax's forward op, for traces that only read what the op passes
+    on or refuses (no time is estimated at it)."""
+    from . import compat
+
+    tk_fwd, _, tk_splash = compat.tokamax_attention_modules()
+    layout = tk_splash.QKVLayout.HEAD_DIM_MINOR
+    return tk_fwd.Config(
+        block_q=min(1024, q_len),
+        block_kv=min(1024, kv_len),
+        block_kv_compute=min(512, kv_len),
+        q_layout=layout,
+        k_layout=layout,
+        v_layout=layout,
+        use_experimental_scheduler=False,
+    )
+
+
 def _tokamax_program(entry: Entry):
     """(fn, args, works) for one tokamax entry: its op at its config, and its kernels' work."""
     import jax
@@ -157,16 +175,9 @@ def _tokamax_program(entry: Entry):
         passed.update(kw)
         return {"q": q, "k": k, "v": v}
 
-    fwd_config = tk_fwd.Config(
-        block_q=min(1024, q_len),
-        block_kv=min(1024, kv_len),
-        block_kv_compute=min(512, kv_len),
-        q_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
-        k_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
-        v_layout=tk_splash.QKVLayout.HEAD_DIM_MINOR,
-        use_experimental_scheduler=False,
+    recording = tk_fwd.PallasMosaicTpuFlashAttention(
+        vjp=record, config=probe_config(q_len, kv_len), bypass_device_check=True
     )
-    recording = tk_fwd.PallasMosaicTpuFlashAttention(vjp=record, config=fwd_config, bypass_device_check=True)
 
     def probe(q, k, v):
         out, pullback = jax.vjp(lambda *qkv: recording(*qkv, **kwargs), q, k, v)
