@@ -107,9 +107,9 @@ RAN = []  # the (plan, sharding) of every kernel run, recorded around _ops._run
 _run = _ops._run
 
 
-def _recording_run(index, *args):
-    RAN.append(_ops._REGISTERED_PLANS[index])
-    return _run(index, *args)
+def _recording_run(plan, sharding, *args):
+    RAN.append((plan, sharding))
+    return _run(plan, sharding, *args)
 
 
 _ops._run = _recording_run

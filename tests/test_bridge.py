@@ -1,6 +1,7 @@
 """The bridge itself: zero-copy transport, devices, caching, autograd contract."""
 
 import jax
+import numpy as np
 import pytest
 import torch
 from helpers import assert_matches_reference, make_qkv
@@ -151,20 +152,33 @@ def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
         torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_call_registry_is_bounded_and_a_pending_backward_survives_eviction(monkeypatch):
-    from torch_splash import _ops as ops
+def test_a_pending_backward_rebuilds_its_plan_from_the_text_and_mask_data_it_carries():
+    """The ops hold a plan as text and its mask's data as tensors, no number into a table: a
+    backward still to come runs after every plan the memo kept is gone, dense mask included."""
+    from torch_splash_jax import text as jax_text
 
-    monkeypatch.setattr(ops, "MAX_REGISTERED_PLANS", 2)
     q, k, v = make_qkv(1, 2, 2, 24, 24, 32, 32, torch.float32)
-    out = torch_splash.attention(q, k, v, "causal")  # its backward is still to come
-    for length in (8, 9, 10):  # three other configurations evict its registry entry
-        with torch.no_grad():
-            torch_splash.attention(q[:, :, :length], k, v)
-    # the bound holds for plans no compiled graph holds (other tests' traced plans stay registered)
-    assert len(ops._REGISTERED_PLANS) == len(ops._PLAN_NUMBERS)
-    assert len(ops._REGISTERED_PLANS.keys() - ops._PINNED) <= 2
+    allowed = torch.rand(24, 24, generator=torch.Generator().manual_seed(0)) < 0.7
+    allowed |= torch.eye(24, dtype=torch.bool)
+    out = torch_splash.attention(q, k, v, allowed)
+    jax_text.forget_plans()
+    torch_splash_jax.program.cache_clear()
     out.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()
+    torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=allowed).sum().backward()
     for got, expected in zip((q, k, v), ref):
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-4, rtol=0)
+
+
+def test_a_plans_text_names_its_data_by_digest_and_refuses_other_data():
+    from torch_splash_jax import text as jax_text
+
+    dense = torch_splash_jax.DenseMask(np.tril(np.ones((40, 40), bool)))
+    plan = torch_splash_jax.plan(q_len=40, head_dim=32, mask=torch_splash_jax.CausalMask(0) & dense)
+    text, arrays = jax_text.plan_text(plan)
+    assert dense.digest in text and len(arrays) == 1
+    jax_text.forget_plans()
+    assert jax_text.plan_from_text(text, arrays) == plan
+    jax_text.forget_plans()
+    with pytest.raises(ValueError, match="not the ones its source was written from"):
+        jax_text.plan_from_text(text, [np.ones((40, 40), bool)])

@@ -8,8 +8,10 @@ from helpers import forward_backward, make_qkv
 
 import torch_splash
 import torch_splash_jax
-from torch_splash import _compile, masks
+from torch_splash import masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
+from torch_splash_jax import policy
+from torch_splash_jax import text as jax_text
 
 OPS = [
     torch.ops.torch_splash.forward.default,
@@ -133,7 +135,7 @@ BUILT_INSIDE = [
 def test_a_structured_mask_built_inside_the_compiled_function(make):
     """Dynamo only passes mask objects built outside the compiled region into the nonstrict_trace
     body; structured masks cross as their source text instead, so building one in forward works."""
-    assert _compile.from_source(_compile.to_source(make())) == make()
+    assert jax_text.mask_from_source(jax_text.mask_source(make())) == make()
     q, k, v = make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, make()), fullgraph=True)
@@ -174,42 +176,38 @@ def test_opcheck(op):
 
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 40, 56, 32, 32, torch.float32))
     ids = (torch.ones(2, 40, dtype=torch.int32), (torch.arange(56) < 50).int().expand(2, 56).contiguous())
-    plan = ops.register_plan(
-        ops.torch_splash_jax.plan(
-            batch=2,
-            num_q_heads=4,
-            num_kv_heads=2,
-            q_len=40,
-            kv_len=56,
-            head_dim=32,
-            head_dim_v=32,
-            dtype="float32",
-            mask=CausalMask(16),
-            scale=0.2,
-            soft_cap=None,
-            has_segment_ids=True,
-            block_sizes=None,
-            platform="cpu",
-        )
+    plan = torch_splash_jax.plan(
+        batch=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        q_len=40,
+        kv_len=56,
+        head_dim=32,
+        head_dim_v=32,
+        dtype="float32",
+        mask=CausalMask(16),
+        scale=0.2,
+        soft_cap=None,
+        has_segment_ids=True,
+        block_sizes=None,
+        platform="cpu",
     )
+    called = ops.op_arguments(plan, None)
     if op in OPS[:2]:
-        args = (q, k, v, *ids, None, plan, "dlpack")
+        args = (q, k, v, *ids, None, *called, "dlpack")
     else:
-        out, lse = OPS[0](q, k, v, *ids, None, plan, "")
-        args = (q, k, v, *ids, None, out, lse, torch.randn_like(out), plan, "")
+        out, lse = OPS[0](q, k, v, *ids, None, *called, "")
+        args = (q, k, v, *ids, None, out, lse, torch.randn_like(out), *called, "")
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_a_compiled_graph_outlives_any_number_of_other_configurations():
-    """A compiled graph holds its plan's number as a constant: the plan registry never evicts it,
-    however many other configurations run in between (it used to, past 1024, and the graph then
-    raised a RuntimeError)."""
-    from torch_splash import _ops
-
+    """A compiled graph holds its plan as text: it runs again after more other configurations
+    than the memo of plans keeps, rebuilding the plan from the text."""
     q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32))
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True)
     first = fn(q, k, v)
-    for length in range(1, _ops.MAX_REGISTERED_PLANS + 100):  # plans only: registering builds no program
-        _ops.register_plan(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
+    for length in range(1, policy.PLAN_TEXTS + 10):  # plans only: writing a plan's text builds no program
+        jax_text.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
     torch.testing.assert_close(fn(q, k, v), first, atol=0, rtol=0)

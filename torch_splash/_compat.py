@@ -54,7 +54,7 @@ def keep_jax_off_the_tpu() -> None:
         )
 
 
-# --- torch (torch._dynamo, torch._subclasses, torch.utils._pytree) ------------------------------
+# --- torch (torch._dynamo, torch.utils._pytree) ---------------------------------------------------
 
 
 def nonstrict_trace(fn):
@@ -62,13 +62,6 @@ def nonstrict_trace(fn):
     import torch
 
     return torch._dynamo.nonstrict_trace(fn)
-
-
-def is_fake(tensor) -> bool:
-    """Whether `tensor` is a FakeTensor (torch.compile is building a graph)."""
-    import torch
-
-    return torch._subclasses.fake_tensor.is_fake(tensor)
 
 
 def mask_mod_indexing():

@@ -10,61 +10,43 @@ fake (meta) implementations give torch the output shapes.
 from __future__ import annotations
 
 import functools
-import itertools
+import warnings
 
 import torch
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, policy
+from torch_splash_jax import text as jax_text
 
 from . import _ring, _sharding, _transport
 
-# Ops take tensors, ints and strings, not objects: a call's plan (and SPMD sharding, if any)
-# reaches them as its number in this registry, and each op looks its program up in torch_splash_jax's
-# cache. `transport` is the caller's request ("" for automatic); each op decides it for the tensors
-# it is given (the backward's may be pending where the forward's were not).
-_REGISTERED_PLANS: dict[int, tuple[torch_splash_jax.Plan, _sharding.Sharding | None]] = {}  # least recently used first
-_PLAN_NUMBERS: dict[tuple, int] = {}
-MAX_REGISTERED_PLANS = policy.PLAN_REGISTRY
-# Numbers a compiled graph holds as constants: never evicted, since the graph may run again after
-# any number of other configurations. Bounded by the graphs torch.compile keeps.
-_PINNED: set[int] = set()
-_NEXT_NUMBER = itertools.count()
+# Ops take tensors, ints and strings, not objects. A call's plan crosses as its text
+# (torch_splash_jax.text), any mask data it holds as CPU tensors beside it (`mask_data`: read only
+# when the text is not among the plans read last), its SPMD sharding as text ("" unsharded), and
+# `transport` is the caller's request ("" for automatic): each op decides it for the tensors it is
+# given (the backward's may be pending where the forward's were not).
 
 
-def register_plan(plan: torch_splash_jax.Plan, sharding: _sharding.Sharding | None = None, traced: bool = False) -> int:
-    """The number the ops know this plan (and sharding) by; the most recently used are kept, and
-    every number a traced graph (fake tensors: torch.compile) holds."""
-    key = (plan, sharding)
-    number = _PLAN_NUMBERS.get(key)
-    if number is None:
-        evictable = [n for n in _REGISTERED_PLANS if n not in _PINNED]
-        while evictable and len(_REGISTERED_PLANS) - len(_PINNED) >= MAX_REGISTERED_PLANS:
-            del _PLAN_NUMBERS[_REGISTERED_PLANS.pop(evictable.pop(0))]
-        number = _PLAN_NUMBERS[key] = next(_NEXT_NUMBER)
-        _REGISTERED_PLANS[number] = key
-    else:
-        _REGISTERED_PLANS[number] = _REGISTERED_PLANS.pop(number)  # now the most recently used
-    if traced:
-        _PINNED.add(number)
-    return number
+def op_arguments(
+    plan: torch_splash_jax.Plan, sharding: _sharding.Sharding | None
+) -> tuple[list[torch.Tensor], str, str]:
+    """What the ops take for a plan and sharding: the mask data, the plan's text, the sharding's."""
+    text, arrays = jax_text.plan_text(plan)
+    with warnings.catch_warnings():  # the arrays are read-only, and so are these tensors
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        data = [torch.from_numpy(a) for a in arrays]
+    return data, text, "" if sharding is None else sharding.text()
 
 
-def _registered_plan(number: int) -> tuple[torch_splash_jax.Plan, _sharding.Sharding | None]:
-    try:
-        return _REGISTERED_PLANS[number]
-    except KeyError:
-        raise RuntimeError(
-            f"torch_splash: attention plan #{number} is no longer registered: more than {MAX_REGISTERED_PLANS} "
-            "other attention configurations were used since it was traced. Call torch._dynamo.reset() to recompile."
-        ) from None
+def _read(mask_data: list[torch.Tensor], plan: str, sharding: str):
+    arrays = [t.numpy() for t in mask_data]
+    return jax_text.plan_from_text(plan, arrays), _sharding.from_text(sharding) if sharding else None
 
 
-def _run(number: int, kernel: str, named: dict, requested: str, out_roles: tuple) -> list[torch.Tensor]:
+def _run(plan, sharding, kernel: str, named: dict, requested: str, out_roles: tuple) -> list[torch.Tensor]:
     """The program's `kernel` on the `named` tensors (q=..., k=..., ...; None for absent options),
     through the transport the caller requested ("" for automatic) for these tensors."""
     transport = _transport.choose([t for t in named.values() if t is not None], requested or None)
-    plan, sharding = _registered_plan(number)
     program = torch_splash_jax.program(plan)
     if plan.ring:
         return _ring.run(program, sharding, kernel, named, _ring_tables(plan, sharding, named["q"].device))
@@ -113,17 +95,22 @@ def forward(
     q_ids: torch.Tensor | None,
     kv_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    plan_number: int,
+    mask_data: list[torch.Tensor],
+    plan: str,
+    sharding: str,
     transport: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and logsumexp (the one residual torch does not already hold)."""
-    out, lse = _run(plan_number, "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q", "lse"))
+    out, lse = _run(
+        *_read(mask_data, plan, sharding), "forward", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q", "lse")
+    )
     return out, lse
 
 
 @forward.register_fake
-def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport):
-    lse_len = _registered_plan(plan_number)[0].lse_len
+def _(q, k, v, q_ids, kv_ids, sinks, mask_data, plan, sharding, transport):
+    fields = jax_text.plan_fields(plan)  # shapes only: the mask's data is not read
+    lse_len = fields["q_len_padded"] * fields["q_shards"]
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
 
@@ -135,16 +122,18 @@ def infer(
     q_ids: torch.Tensor | None,
     kv_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    plan_number: int,
+    mask_data: list[torch.Tensor],
+    plan: str,
+    sharding: str,
     transport: str,
 ) -> torch.Tensor:
     """The forward without residuals, where no gradient is needed."""
-    (out,) = _run(plan_number, "infer", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q",))
+    (out,) = _run(*_read(mask_data, plan, sharding), "infer", _inputs(q, k, v, q_ids, kv_ids, sinks), transport, ("q",))
     return out
 
 
 @infer.register_fake
-def _(q, k, v, q_ids, kv_ids, sinks, plan_number, transport):
+def _(q, k, v, q_ids, kv_ids, sinks, mask_data, plan, sharding, transport):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
@@ -159,28 +148,29 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     d_out: torch.Tensor,
-    plan_number: int,
+    mask_data: list[torch.Tensor],
+    plan: str,
+    sharding: str,
     transport: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (and d_sinks; empty without sinks) from the dq/dkv kernels alone, on the
     forward's residuals."""
     inputs = dict(_inputs(q, k, v, q_ids, kv_ids, sinks), out=out, lse=lse, d_out=d_out)
-    grads = _run(plan_number, "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
+    grads = _run(*_read(mask_data, plan, sharding), "backward", inputs, transport, ("q", "kv", "kv", "d_sinks"))
     dq, dk, dv, d_sinks = (*grads, q.new_empty(0)) if sinks is None else grads
     return dq, dk, dv, d_sinks
 
 
 @backward.register_fake
-def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, plan_number, transport):
+def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, mask_data, plan, sharding, transport):
     d_sinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks  # contiguous, as the real ones
 
 
 def _save_residuals(ctx, inputs, output):
-    q, k, v, q_ids, kv_ids, sinks, plan_number, transport = inputs
-    ctx.registered = _registered_plan(plan_number)  # the plan itself: its number may be evicted by then
-    ctx.transport = transport
-    ctx.save_for_backward(q, k, v, q_ids, kv_ids, sinks, *output)
+    q, k, v, q_ids, kv_ids, sinks, mask_data, plan, sharding, transport = inputs
+    ctx.plan, ctx.sharding, ctx.transport = plan, sharding, transport
+    ctx.save_for_backward(q, k, v, q_ids, kv_ids, sinks, *output, *mask_data)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -190,11 +180,12 @@ def _differentiate(ctx, d_out, _):
             "torch_splash.attention supports one backward pass, not double backward "
             "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
         )
-    q, k, v, q_ids, kv_ids, sinks, out, lse = ctx.saved_tensors
+    q, k, v, q_ids, kv_ids, sinks, out, lse, *mask_data = ctx.saved_tensors
     dq, dk, dv, d_sinks = backward(
-        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, register_plan(*ctx.registered), ctx.transport
+        q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, mask_data, ctx.plan, ctx.sharding, ctx.transport
     )
-    return dq, dk, dv, None, None, None if sinks is None else d_sinks, None, None
+    no_grads = [None] * len(mask_data)  # one per tensor of the list: autograd matches the inputs' structure
+    return dq, dk, dv, None, None, None if sinks is None else d_sinks, no_grads, None, None, None
 
 
 forward.register_autograd(_differentiate, setup_context=_save_residuals)

@@ -24,6 +24,7 @@ along it, with the query sequence whole, is refused.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import re
@@ -54,7 +55,7 @@ def _axes(entry) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """The mesh and the q/k/v partition spec of a call, checked against its shapes; equal for the
-    same mesh object and spec (it keys the ops' call registry)."""
+    same mesh object and spec. Crosses the custom ops as `text()`."""
 
     mesh: object  # torch_xla.distributed.spmd.Mesh (compared by identity)
     batch: object  # mesh axis name(s) for dim 0, or None
@@ -80,6 +81,12 @@ class Sharding:
             index = names.index(axis) if isinstance(axis, str) else axis
             size *= self.mesh.mesh_shape[index]
         return size
+
+    def text(self) -> str:
+        """The sharding as text (`from_text` reads it back), the mesh as its device ids, shape and axis names."""
+        names = None if self.mesh.axis_names is None else tuple(self.mesh.axis_names)
+        mesh = tuple(int(i) for i in np.asarray(self.mesh.device_ids).reshape(-1)), tuple(self.mesh.mesh_shape), names
+        return repr((mesh, self.batch, self.heads, self.seq, self.layout, self.context_parallel))
 
     def local(self, batch: int, q_heads: int, kv_heads: int) -> tuple[int, int, int]:
         b, h = self.shards(self.batch), self.shards(self.heads)
@@ -234,6 +241,15 @@ class Sharding:
 @functools.lru_cache(maxsize=policy.IN_GRAPH)
 def _exchange_function(args: tuple, dims: tuple, moves: tuple, in_turn: bool):
     return _compat.in_graph_function("sequence_exchange", jax_transport.exchange_module(args, dims, moves, in_turn))
+
+
+@functools.lru_cache(maxsize=policy.SHARDINGS)
+def from_text(text: str) -> Sharding:
+    """The sharding `Sharding.text` wrote; one object per text while it is cached."""
+    import torch_xla.distributed.spmd as xs
+
+    (ids, shape, names), *spec = ast.literal_eval(text)
+    return Sharding(xs.Mesh(np.array(ids), shape, names), *spec)
 
 
 def _joined(*entries):

@@ -11,8 +11,9 @@ import torch
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError
+from torch_splash_jax import text as jax_text
 
-from . import _checks, _compat, _compile, _ops, _sharding, _transport
+from . import _checks, _compat, _compile, _ops, _sharding, _transport  # noqa: F401 (_compile: registers the options)
 
 
 def _plan(
@@ -119,8 +120,8 @@ def attention(
         Both are raised before any JAX work; both are ``torch_splash.SplashError``.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    # Under compile a structured mask crosses as its source text (see _compile.to_source).
-    source = _compile.to_source(mask) if torch.compiler.is_compiling() else None
+    # Under compile a structured mask crosses as its source text (see _compile).
+    source = jax_text.mask_source(mask) if torch.compiler.is_compiling() else None
     options = dict(
         mask=mask if source is None else None,
         mask_source=source,
@@ -164,7 +165,7 @@ def _attention(
     """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
     scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
     if mask_source is not None:
-        mask = _compile.from_source(mask_source)
+        mask = jax_text.mask_from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout, context_parallel)
     if return_lse and (sharding is not None or call.sinks is not None):
@@ -177,15 +178,15 @@ def _attention(
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     _transport.choose(list(tensors), transport)  # validates `transport` before any JAX work; the ops choose again
     plan = _plan(call, block_sizes, call.platform, sharding)
-    traced = _compat.is_fake(call.q)  # torch.compile: the graph keeps the number
-    plan_number, q_ids, kv_ids = _ops.register_plan(plan, sharding, traced), *(call.segment_ids or (None, None))
+    q_ids, kv_ids = call.segment_ids or (None, None)
+    called = (*_ops.op_arguments(plan, sharding), transport or "")
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
     if backward or return_lse:
-        out, lse = _ops.forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport or "")
+        out, lse = _ops.forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
     else:  # no autograd graph to build: the cheaper forward, and no residuals
-        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, plan_number, transport or "")
+        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
     out = out.squeeze(0) if call.unbatched else out

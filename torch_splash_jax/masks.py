@@ -339,6 +339,11 @@ class DenseMask(Mask):
         object.__setattr__(self, "array", array)
         object.__setattr__(self, "_digest", hashlib.blake2b(array.tobytes(), digest_size=16).digest())
 
+    @property
+    def digest(self) -> str:
+        """The content's hash (hex): equal masks, equal digests."""
+        return self._digest.hex()
+
     def __eq__(self, other):
         return isinstance(other, DenseMask) and self.array.shape == other.array.shape and self._digest == other._digest
 
@@ -424,6 +429,11 @@ class BlockSparseMask(Mask):
             sums = np.zeros((kinds.shape[0] + 1, kinds.shape[1] + 1), np.int64)
             sums[1:, 1:] = table.cumsum(0).cumsum(1)
             object.__setattr__(self, name, sums)
+
+    @property
+    def digest(self) -> str:
+        """The content's hash (hex): equal masks, equal digests."""
+        return self._digest.hex()
 
     def __eq__(self, other):
         return isinstance(other, BlockSparseMask) and self.shape == other.shape and self._digest == other._digest
@@ -550,9 +560,11 @@ def shared_structured_mask(mask: Mask) -> Mask | None:
 
 
 # The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
-# other structured masks). torch_splash registers them for torch.compile and writes them as
-# source text for Dynamo from this one tuple.
+# other structured masks). torch_splash registers them for torch.compile, and torch_splash_jax.text
+# writes them as source text, from this one tuple.
 STRUCTURED = (FullMask, CausalMask, LocalMask, PrefixMask, ChunkedCausalMask, And, Or, MultiHeadMask)
+# The masks that are data: arrays, bound to one (Lq, Lkv), equal by content.
+DATA = (DenseMask, BlockSparseMask)
 
 
 def bind(spec: Mask, num_heads: int, q_len_padded: int, kv_len_padded: int, kv_len: int):

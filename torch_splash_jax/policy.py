@@ -31,15 +31,17 @@ PLANS = 1024
 # torch_splash_jax.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
 # milliseconds.
 MASK_TABLES = 64
-# torch_splash._ops: plan <-> the number the custom ops take. Plans can hold dense masks; a number
-# a compiled graph holds is never evicted (the graph may run again after any number of others).
-PLAN_REGISTRY = 1024
+# torch_splash_jax.text: the plans of the texts the custom ops took last. Plans can hold dense masks;
+# a text read after its plan was evicted is rebuilt from the text and the arrays beside it.
+PLAN_TEXTS = 256
+# torch_splash._sharding.from_text: SPMD shardings read back from the custom ops' text; tiny.
+SHARDINGS = 64
 # torch_splash._ops._table_tensors: a sharded plan's block tables as device tensors.
 TABLE_TENSORS = 64
 # torch_splash._transport._in_graph: one torch_xla computation per program and shapes, so torch_xla
 # sees the same computation every step and compiles it once.
 IN_GRAPH = 512
-# torch_splash._compile.from_source: masks rebuilt from their torch.compile source text; tiny.
+# torch_splash_jax.text.mask_from_source: structured masks rebuilt from their source text; tiny.
 MASK_SOURCES = 256
 # torch_splash.flex: the masks of the BlockMasks converted last (a model's layers share one), each
 # holding the partial blocks its mask_mod evaluated: keep few.
