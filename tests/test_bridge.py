@@ -152,16 +152,24 @@ def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
         torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
 
 
+def _forget_plans():
+    """Every plan the memo of texts holds evicted, by writing as many others."""
+    from torch_splash_jax import policy
+    from torch_splash_jax import text as jax_text
+
+    for length in range(1, policy.PLAN_TEXTS + 1):
+        jax_text.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
+
+
 def test_a_pending_backward_rebuilds_its_plan_from_the_text_and_mask_data_it_carries():
     """The ops hold a plan as text and its mask's data as tensors, no number into a table: a
     backward still to come runs after every plan the memo kept is gone, dense mask included."""
-    from torch_splash_jax import text as jax_text
 
     q, k, v = make_qkv(1, 2, 2, 24, 24, 32, 32, torch.float32)
     allowed = torch.rand(24, 24, generator=torch.Generator().manual_seed(0)) < 0.7
     allowed |= torch.eye(24, dtype=torch.bool)
     out = torch_splash.attention(q, k, v, allowed)
-    jax_text.forget_plans()
+    _forget_plans()
     torch_splash_jax.program.cache_clear()
     out.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -177,8 +185,8 @@ def test_a_plans_text_names_its_data_by_digest_and_refuses_other_data():
     plan = torch_splash_jax.plan(q_len=40, head_dim=32, mask=torch_splash_jax.CausalMask(0) & dense)
     text, arrays = jax_text.plan_text(plan)
     assert dense.digest in text and len(arrays) == 1
-    jax_text.forget_plans()
+    _forget_plans()
     assert jax_text.plan_from_text(text, arrays) == plan
-    jax_text.forget_plans()
+    _forget_plans()
     with pytest.raises(ValueError, match="not the ones its source was written from"):
         jax_text.plan_from_text(text, [np.ones((40, 40), bool)])

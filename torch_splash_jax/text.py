@@ -162,10 +162,5 @@ class _Memo:
             while len(self._plans) > self.size:
                 self._plans.popitem(last=False)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
 
 _PLANS = _Memo(policy.PLAN_TEXTS)
-forget_plans = _PLANS.clear
