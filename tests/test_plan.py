@@ -247,15 +247,16 @@ def test_a_tpu_plan_of_a_sharded_query_sequence_keeps_512_blocks_and_the_dq_kern
 def test_the_dq_buffer_byte_bound_follows_the_call_and_leaves_stored_masks_to_the_count():
     """plan() sizes the fused backward's dq buffer from the call (batch, heads, head_dim, dtype):
     at 32K tokens, 16 bf16 heads of 128, its 16 q's (2 GiB) are kept at B=1 and traded at B=4. A
-    mask read from stored blocks keeps the count bound (its fused 512 x 2048 overran VMEM)."""
+    mask read from stored blocks keeps the count bound (its fused 512 x 2048 overran VMEM), and is
+    never traded to longer kv blocks (at 16K tokens they overran it too): the dq kernel runs."""
     causal = torch_splash_jax.CausalMask()
     per_head = torch_splash_jax.MultiHeadMask(
         tuple(causal if h % 2 else torch_splash_jax.LocalMask(4095, 0) for h in range(16))
     )
 
-    def dkv(batch, mask, dtype="bfloat16"):
+    def dkv(batch, mask, dtype="bfloat16", length=32768):
         blocks = torch_splash_jax.plan(
-            q_len=32768, num_q_heads=16, head_dim=128, batch=batch, dtype=dtype, mask=mask, platform="tpu"
+            q_len=length, num_q_heads=16, head_dim=128, batch=batch, dtype=dtype, mask=mask, platform="tpu"
         ).block_sizes()
         return blocks["use_fused_bwd_kernel"], blocks["block_q_dkv"], blocks["block_kv_dkv"]
 
@@ -263,3 +264,4 @@ def test_the_dq_buffer_byte_bound_follows_the_call_and_leaves_stored_masks_to_th
     assert dkv(4, causal) == (True, 512, 4096)
     assert dkv(1, causal, "float32") == (True, 512, 4096)  # twice the bytes
     assert dkv(1, per_head) == (False, 1024, 1024)
+    assert dkv(1, per_head, length=16384) == (False, 1024, 1024)  # was traded to 512 x 2048

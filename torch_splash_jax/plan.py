@@ -569,7 +569,11 @@ def _planned(
         blocks[c] = _fit_compute(blocks[b], target.compute if given is None else given)
     if platform == "tpu" and fused:
         _fit_fused_compute(blocks, user, head_dim)
-        if target.fused_max_kv_blocks:
+        # A mask read from stored blocks is not traded: its int32 mask blocks beside the traded
+        # kernel's longer dk and dv accumulators overran the scoped VMEM (FlexAttention's document
+        # mask at 16K tokens, 16 heads, 512 x 2048 in a torch_xla step: 16.29M of 16M, v5e, libtpu
+        # 0.0.21). Where its dq buffer does not fit, the separate dq kernel runs.
+        if target.fused_max_kv_blocks and not stored:
             bound = (q_row_bytes, target.fused_max_kv_blocks)
             _fit_fused_buffer(blocks, user, head_dim, q128, kv128, bound)
     if platform == "tpu" and fused:  # the fused kernel's blocks changed after the tables were fitted
