@@ -6,16 +6,18 @@ CPU time against torch's own flex_attention.
    a document-causal mask over packed sequences, for (a) the dense -inf bias plus SDPA that
    TorchTPU's flex_attention patch runs (`create_mask` of the BlockMask's mask_mod) and (b)
    `torch_splash.flex_attention` with the BlockMask.
-2. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
+2. Documents packed anew: the training steps of other packings, and how many of them are graphs
+   torch_xla has not seen (and would compile).
+3. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
    lengths; the second call, so its compile is not counted), turning its BlockMask into splash
    masks (`torch_splash.flex.block_mask_masks`), building the TPU plan's block tables
    (`torch_splash_jax.program`, tables only: its functions are jitted on first call), and both
    again for the next layer, which passes the same BlockMask.
-3. CPU time of a forward and backward: torch's flex_attention eager and compiled, and
+4. CPU time of a forward and backward: torch's flex_attention eager and compiled, and
    torch_splash.flex_attention (interpret-mode kernels), as ratios to torch's eager.
 
-    ./dev.sh bench-flex            # 1 and 2 at L = 8K to 128K, 3 at L = 1K and 2K
-    ./dev.sh bench-flex --quick    # 8K only, 3 at L = 256 (the test suite runs this)
+    ./dev.sh bench-flex            # 1 to 3 at L = 8K to 128K, 4 at L = 1K and 2K
+    ./dev.sh bench-flex --quick    # 8K only (2 new packings), 4 at L = 256 (the test suite runs this)
 
 Writes benchmarks/results/flex.json (or flex_quick.json).
 """
@@ -52,17 +54,17 @@ def document_causal(doc):
     return and_masks(causal, same_document)
 
 
-def block_mask(length: int, compiled: bool = True):
+def block_mask(length: int, compiled: bool = True, seed: int = 0):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask_mod = document_causal(document_ids(length))
+    mask_mod = document_causal(document_ids(length, seed))
     return create_block_mask(mask_mod, 1, None, length, length, device="cpu", _compile=compiled)
 
 
-def step_hlo(length: int, impl: str) -> str:
+def step_hlo(length: int, impl: str, seed: int = 0) -> str:
     """The HLO of one training step, left unexecuted in torch_xla's graph. impl: "splash"
     (torch_splash.flex_attention with the BlockMask) or "dense" (TorchTPU's patch: the mask_mod as
-    a dense -inf bias, and SDPA)."""
+    a dense -inf bias, and SDPA). seed: the documents' packing."""
     import torch
     import torch.nn.functional as F
     import torch_xla
@@ -79,9 +81,9 @@ def step_hlo(length: int, impl: str) -> str:
     q, k, v = (x @ w_qkv).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
     q, k, v = (t.view(1, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
     if impl == "splash":
-        out = torch_splash.flex_attention(q, k, v, block_mask=block_mask(length), enable_gqa=True)
+        out = torch_splash.flex_attention(q, k, v, block_mask=block_mask(length, seed=seed), enable_gqa=True)
     else:
-        doc = document_ids(length).to(device)
+        doc = document_ids(length, seed).to(device)
         allowed = create_mask(document_causal(doc), 1, 1, length, length, device=device)
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill(~allowed, float("-inf"))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
@@ -95,6 +97,23 @@ def step_hlo(length: int, impl: str) -> str:
 
 def hbm(length: int, impl: str, generation: str = "v5e") -> dict:
     return bench_tpu_memory.compiled(step_hlo(length, impl), generation)
+
+
+def packed_anew(length: int, packings: int = 4) -> dict:
+    """Training steps over documents packed anew (seeds 1, 2, ...) against the first packing's: how
+    many of them torch_xla sees as a graph it has not compiled (their HLO differs from every one
+    before), and the median seconds to build a new packing's step on the host (BlockMask, splash
+    masks, tables, the graph; a repeat of a packing takes the masks from the cache)."""
+    import statistics
+
+    seen, new, seconds = {step_hlo(length, "splash", seed=0)}, 0, []
+    for seed in range(1, packings + 1):
+        start = time.perf_counter()
+        text = step_hlo(length, "splash", seed=seed)
+        seconds.append(time.perf_counter() - start)
+        new += text not in seen
+        seen.add(text)
+    return dict(packings=packings, new_graphs=new, build_s=round(statistics.median(seconds), 2))
 
 
 def host_cost(length: int) -> dict:
@@ -189,6 +208,7 @@ def run(quick: bool) -> dict:
         with planned_for_tpu():
             for impl in ("splash", "dense"):
                 row[impl] = hbm(length, impl)
+            row["packed_anew"] = packed_anew(length, 2 if quick else 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
     cpu = [dict(L=length, **cpu_time(length, 1 if quick else 3)) for length in ([256] if quick else [1024, 2048])]

@@ -240,6 +240,30 @@ def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():
     assert visited.sum() < visited.size / 2
 
 
+def test_documents_packed_anew_run_the_program_already_compiled():
+    """A training loop packs other documents into each batch. A BlockMask with new contents whose
+    tables round to the same shapes (`tables.bucketed`) runs the jitted functions of the first:
+    JAX traces nothing again (torch_xla then sees the same computation), and the outputs and
+    gradients are the new mask's, as torch's flex_attention gives them."""
+    import torch_splash_jax
+
+    length = 2048
+    q, k, v = make_qkv(1, 4, 2, length, length, 64, 64, torch.float32)
+    d_out = torch.randn(1, 4, length, 64, generator=torch.Generator().manual_seed(1))
+    traces = []
+    for lengths in ([700, 1000, 348], [300, 1100, 648]):
+        block_mask = create_block_mask(documents([lengths], length), 1, None, length, length, device="cpu")
+        before = sum(torch_splash_jax.TRACES.values())
+        got = _splash(q, k, v, block_mask, None, d_out)
+        traces.append(sum(torch_splash_jax.TRACES.values()) - before)
+        exact = _reference(q, k, v, block_mask, None, d_out)
+        (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+        torch.testing.assert_close(got[0], _torch_forward(q, k, v, block_mask, None)[0], atol=oa, rtol=orr)
+        for mine, ref in zip(got[2], exact[2]):
+            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+    assert traces[1] == 0, traces
+
+
 def test_a_block_sparse_mask_must_name_a_stored_block_for_each_partial_one():
     kinds = np.array([[1, 0], [2, 1]], np.int8)
     blocks = np.ones((1, 128, 128), bool)

@@ -40,8 +40,9 @@ def ring_reproduces_the_unsharded_call(mask, length, shards, layout, kv_heads=2,
     sink = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
     extra = ([doc, doc] if ids else []) + ([] if sink is None else [sink])
     whole = torch_splash_jax.program(full)
-    out, lse = whole.forward(q, k, v, *extra)
-    grads = whole.backward(q, k, v, *extra, out, lse, d_out)
+    tables = whole.tables()  # a mask read from stored blocks: its tables and blocks
+    out, lse = whole.forward(q, k, v, *extra, *tables)
+    grads = whole.backward(q, k, v, *extra, *tables, out, lse, d_out)
     got = ring_device_by_device(plan, q, k, v, d_out, doc if ids else None, sink)
     for mine, theirs in zip(got, [out, *grads], strict=True):
         np.testing.assert_allclose(mine, theirs, atol=1e-5)
@@ -153,8 +154,8 @@ def test_bfloat16_ring_gradients_against_float64():
     q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes)
     reference = _float64_causal_attention(*(np.asarray(x, np.float64) for x in (q, k, v, d_out)), dim**-0.5)
     whole = torch_splash_jax.program(full)
-    out, lse = whole.forward(q, k, v)
-    one_device = [out, *whole.backward(q, k, v, out, lse, d_out)[:3]]
+    out, lse = whole.forward(q, k, v, *whole.tables())
+    one_device = [out, *whole.backward(q, k, v, *whole.tables(), out, lse, d_out)[:3]]
     ring = ring_device_by_device(plan, q, k, v, d_out)
 
     def error(x, r):  # relative RMS error

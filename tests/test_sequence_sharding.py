@@ -79,8 +79,9 @@ def _devices_reproduce_the_unsharded_call(
     extra = [doc, doc] if ids else []
     sink = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
     whole = torch_splash_jax.program(full)
-    out, lse = whole.forward(q, k, v, *extra, *([] if sink is None else [sink]))
-    grads = whole.backward(q, k, v, *extra, *([] if sink is None else [sink]), out, lse, d_out)
+    given = [*extra, *([] if sink is None else [sink]), *whole.tables()]  # tables: a stored-block mask's
+    out, lse = whole.forward(q, k, v, *given)
+    grads = whole.backward(q, k, v, *given, out, lse, d_out)
 
     program = torch_splash_jax.program(sharded)
     assert program.sharded

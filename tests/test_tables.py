@@ -154,3 +154,14 @@ def test_stored_block_tables_evaluate_non_consecutive_rows_exactly():
             assert kind == (2 if want.all() else 1 if want.any() else 0)
             if kind == 1:
                 assert np.array_equal(info.partial_mask_blocks[info.mask_next[0, 0, q, c]], want)
+
+
+def test_rounded_table_shapes_are_few_and_at_most_a_quarter_larger():
+    """`tables.bucket`: what a stored-block program's table shapes round to (documents packed anew
+    then mostly share one program): four sizes per doubling, never more than 1/4 above the need,
+    never past the grid's own extent, never below the need."""
+    bucket = tables.bucket
+    assert [bucket(n) for n in (1, 7, 8, 9, 16, 17, 33, 100)] == [1, 7, 8, 10, 16, 20, 40, 112]
+    assert all(n <= bucket(n) <= n * 1.25 for n in range(1, 5000))
+    assert {bucket(n) for n in range(1025, 2049)} == {1280, 1536, 1792, 2048}
+    assert bucket(9, limit=9) == 9 and bucket(17, limit=18) == 18 and bucket(17, limit=5) == 17

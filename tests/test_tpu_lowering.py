@@ -122,6 +122,7 @@ def test_each_mask_family_lowers_for_tpu_at_its_planned_blocks(mask):
     program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((1, h, 2000, 128), jnp.bfloat16) for h in (4, 2, 2)]
     args += [jax.ShapeDtypeStruct((1, 2000), jnp.int32)] * 2
+    args += [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in program.tables()]  # a per-head mask's
     fwd = jax.export.export(program.forward, platforms=["tpu"])(*args)
     assert _count_custom_calls(fwd) == 1
     out, lse = jax.eval_shape(program.forward, *args)
@@ -133,6 +134,8 @@ def test_dense_mask_lowers_for_tpu():
     rng = np.random.default_rng(0)
     dense = torch_splash_jax.DenseMask(rng.random((300, 300)) > 0.5)
     plan = _plan(1, 2, 2, 300, 300, 64, 64, "float32", dense, False)
+    program = torch_splash_jax.program(plan)
     args = [jax.ShapeDtypeStruct((1, 2, 300, 64), jnp.float32)] * 3
-    fwd = jax.export.export(torch_splash_jax.program(plan).forward, platforms=["tpu"])(*args)
+    args += [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in program.tables()]  # the mask's tables and blocks
+    fwd = jax.export.export(program.forward, platforms=["tpu"])(*args)
     assert _count_custom_calls(fwd) == 1

@@ -32,8 +32,9 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
 
 
-def program_args(plan, kind: str) -> tuple:
-    """(shape, dtype) of a program's arguments, in the order the bridge passes them."""
+def program_args(plan, kind: str, tables=()) -> tuple:
+    """(shape, dtype) of a program's arguments, in the order the bridge passes them; `tables`: the
+    program's `tables()` (a mask read from stored blocks)."""
     b, hq, hkv, dt = plan.batch, plan.num_q_heads, plan.num_kv_heads, plan.dtype
     args = [
         ((b, hq, plan.q_len, plan.head_dim), dt),
@@ -44,6 +45,7 @@ def program_args(plan, kind: str) -> tuple:
         args += [((b, plan.q_len), "int32"), ((b, plan.kv_len), "int32")]
     if plan.has_sinks:
         args += [((hq,), "float32")]
+    args += [(t.shape, t.dtype.name) for t in tables]
     if kind == "backward":
         out = ((b, hq, plan.q_len, plan.head_dim_v), dt)
         args += [out, ((b, hq, plan.q_len_padded), "float32"), out]
@@ -134,7 +136,7 @@ def _in_graph_module(program, plan, kind, version):
     from torch_splash_jax import aot
     from torch_splash_jax.transport import hlo_module, lowered
 
-    fn, args = getattr(program, kind), program_args(plan, kind)
+    fn, args = getattr(program, kind), program_args(plan, kind, program.tables())
     if importlib.util.find_spec("torch_xla") is None:
         text = lowered(fn, args, "tpu", version).as_text()
         return text, text.count("tpu_custom_call"), aot.compile_stablehlo
@@ -167,7 +169,9 @@ def _torchtpu_module(program, plan, kind, version):
     from torch_splash_jax import aot, compat, mosaic
 
     exported = _export_as_torchtpu(
-        getattr(program, kind), program_args(plan, kind), mosaic.ir_version() if version is None else version
+        getattr(program, kind),
+        program_args(plan, kind, program.tables()),
+        mosaic.ir_version() if version is None else version,
     )
     module = compat.portable_artifact_module(exported.mlir_module_serialized)
     return module, exported.mlir_module().count("tpu_custom_call"), aot.compile_stablehlo

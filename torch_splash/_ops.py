@@ -52,8 +52,8 @@ def _run(plan, sharding, kernel: str, named: dict, requested: str, out_roles: tu
         return _ring.run(program, sharding, kernel, named, _ring_tables(plan, sharding, named["q"].device))
     fn = getattr(program, kernel)
     # a sharded program takes every device's block tables (and query positions), split along the
-    # sequence and the heads
-    tables = _table_tensors(plan, named["q"].device) if program.sharded else []
+    # sequence and the heads; an unsharded one whose mask is read from stored blocks takes its own
+    tables = _table_tensors(plan, named["q"].device) if program.takes_tables else []
     tensors = program.arguments(kernel, tables, **named)
     if sharding is None:
         return _transport.run(fn, tensors, transport, plan.platform)
@@ -66,7 +66,8 @@ def _run(plan, sharding, kernel: str, named: dict, requested: str, out_roles: tu
 
 @functools.lru_cache(maxsize=policy.TABLE_TENSORS)
 def _table_tensors(plan: torch_splash_jax.Plan, device: torch.device) -> list[torch.Tensor]:
-    return [torch.from_numpy(a).to(device) for a in torch_splash_jax.program(plan).tables()]
+    # copied, so that the CPU's are aligned as JAX's DLPack import needs (NumPy's are not always)
+    return [torch.from_numpy(a).to(device, copy=True) for a in torch_splash_jax.program(plan).tables()]
 
 
 @functools.lru_cache(maxsize=policy.TABLE_TENSORS)

@@ -147,10 +147,10 @@ class Sharding:
         # Fresh tensors: annotating is in place, and the caller's tensors may be sharded otherwise
         # (XLA then reshards the copy, as shard_map reshards to its in_specs). Not clone(): the
         # clone of a materialised tensor keeps its sharding, and annotating it anew fails.
-        local = [
-            xs.enable_manual_sharding(t + 0, self.spec(r, t.dim()), mesh=self.mesh).global_tensor
-            for t, r in zip(tensors, roles)
-        ]
+        local = []
+        for t, r in zip(tensors, roles):
+            fresh = t | False if t.dtype == torch.bool else t + 0  # a mask's stored blocks stay bool
+            local.append(xs.enable_manual_sharding(fresh, self.spec(r, t.dim()), mesh=self.mesh).global_tensor)
         return self._relaid(local, roles, to_balanced=True)
 
     def leave(self, outs, roles) -> list[torch.Tensor]:

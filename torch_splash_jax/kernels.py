@@ -13,9 +13,9 @@ backward(q, k, v[, q_ids, kv_ids][, sinks], out, logsumexp, d_out) -> (dq, dk, d
 
 The vjp function's residuals are the kernel's inputs, its output, its logsumexp and the block
 tables. Only logsumexp is new: the caller already holds q, k, v and out, and the block tables are
-constants of the program. So the caller carries two arrays from forward to backward and nothing is
-stored twice; the backward re-derives the scaled, padded kernel inputs (elementwise work, not
-the forward kernel) and rebuilds the residual tree from them.
+constants of the program or inputs the caller holds too. So the caller carries two arrays from
+forward to backward and nothing is stored twice; the backward re-derives the scaled, padded kernel
+inputs (elementwise work, not the forward kernel) and rebuilds the residual tree from them.
 
 Rows with no visible key: the kernel returns garbage there (NaN, or a uniform average over masked
 logits). Their logsumexp is -inf or near the kernel's mask value, so we detect them from it and
@@ -25,13 +25,15 @@ return 0 with zero gradients, as SDPA does.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, policy
 from . import masks as _masks
 from . import tables as _tables
 from .plan import Plan
@@ -61,9 +63,10 @@ class Program:
     """The jitted forward, infer and backward of one plan, and what they take.
 
     Each takes flat arrays in the order `signature(kind)` names them (the one place that order is
-    written): q, k, v; q_ids, kv_ids when the plan has segment ids; sinks when it has them; a
-    sharded plan's block tables ("table0", ...: `tables()`, every device's, which the caller
-    splits as `table_axes()` says); and for the backward out, lse, d_out. `arguments(kind, ...)`
+    written): q, k, v; q_ids, kv_ids when the plan has segment ids; sinks when it has them; the
+    block tables of a sharded plan ("table0", ...: `tables()`, every device's, which the caller
+    splits as `table_axes()` says) or of a mask read from stored blocks (its tables and partial
+    blocks); and for the backward out, lse, d_out. `arguments(kind, ...)`
     puts named tensors (torch's or JAX's) in that order. The forward returns (out, lse), the
     infer out, the backward (dq, dk, dv[, d_sinks]).
     """
@@ -74,27 +77,68 @@ class Program:
         # their block tables (and query positions) as inputs, one slice per device, since every
         # device runs this same program: `tables()` gives them, `table_axes()` their sharding.
         self.sharded = plan.q_shards > 1 or plan.head_shards > 1
-        self._infos = _table_infos(plan) if self.sharded else None
-        self._table_arrays = self._flat_tables() if self.sharded else []
-        # Stored partial blocks are the same on every device: constants, made outside any trace.
+        # An unsharded mask read from stored blocks (data, or one mask per head) takes its tables
+        # and partial blocks as inputs too, in shapes rounded up (`tables.bucketed`): a mask with
+        # other contents in the same shapes (documents packed anew) runs the same jitted
+        # functions, so neither JAX nor torch_xla compiles again.
+        self.stored = not self.sharded and _masks.shared_structured_mask(plan.mask) is None
+        self.takes_tables = self.sharded or self.stored
+        self._infos = _table_infos(plan, rounded=self.stored) if self.takes_tables else None
+        if self.stored:
+            self._infos = (
+                None,
+                [
+                    None if info is None else _tables.bucketed(info, layout[1], _grid_extent(plan, *layout[:2]))
+                    for info, layout in zip(self._infos[1], _kernel_tables(plan))
+                ],
+            )
+        self._table_arrays = self._flat_tables() if self.takes_tables else []
+        # A sharded plan's stored partial blocks are the same on every device: constants, made
+        # outside any trace.
         self._partial_blocks = [
             None if info is None or info.partial_mask_blocks is None else jnp.asarray(info.partial_mask_blocks)
             for info in (self._infos[1] if self.sharded else ())
         ]
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not (self._infos[1][0].block_mask.any() if self.sharded else _has_allowed_pair(plan))
+        self.no_pairs = not (self._infos[1][0].block_mask.any() if self.takes_tables else _has_allowed_pair(plan))
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         # A ring step's rows may see none of the keys it holds, but its backward is given the
         # merged output and logsumexp: only rows that see no key in the whole call matter there
         # (guarding the others cost a d_out-sized copy alive through the ring's backward).
         self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
-        self.kernel = None if self.no_pairs or self.sharded else _build_kernel(plan)
+        self._kernel = None if self.no_pairs or self.takes_tables else _build_kernel(plan)
         self._layout = None  # _residual_layout
-        self.forward = jax.jit(self.forward_body)
-        self.backward = jax.jit(self.backward_body)
-        self.infer = jax.jit(self.infer_body)
+        shared = _SHARED.setdefault(self._shapes(), self) if self.stored else self
+        self.forward, self.backward, self.infer = shared.forward_jit, shared.backward_jit, shared.infer_jit
+
+    @functools.cached_property
+    def forward_jit(self):
+        return jax.jit(self.forward_body)
+
+    @functools.cached_property
+    def backward_jit(self):
+        return jax.jit(self.backward_body)
+
+    @functools.cached_property
+    def infer_jit(self):
+        return jax.jit(self.infer_body)
+
+    def _shapes(self) -> tuple:
+        """What a stored-block program's jitted functions depend on: the plan but for its mask,
+        what the mask decides about rows and pairs, and its tables' shapes and dtypes."""
+        fields = tuple(getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.name != "mask")
+        tables = tuple((t.shape, t.dtype.str) for t in self._table_arrays)
+        return fields, self.call_rows_may_be_empty, self.no_pairs, tables
+
+    @property
+    def kernel(self):
+        """The splash kernel with this plan's block tables as constants (what the TPU time
+        estimate reads); None for a sharded plan, and without allowed pairs."""
+        if self._kernel is None and self.stored and not self.no_pairs:
+            self._kernel = _kernel(self.plan, [None if i is None else _only_shard(i) for i in self._infos[1]], None)
+        return self._kernel
 
     def _pad(self, x, axis: int, length: int):
         extra = length - x.shape[axis]
@@ -125,11 +169,19 @@ class Program:
 
     def _flat_tables(self) -> list[np.ndarray]:
         positions, infos = self._infos
-        return [*([] if positions is None else [positions]), *(t for info in infos if info for t in _per_device(info))]
+        tables = [] if positions is None else [positions]
+        for info in infos:
+            if info is not None:
+                tables += _per_device(info)
+                if self.stored and info.partial_mask_blocks is not None:
+                    tables.append(info.partial_mask_blocks[None])  # the leading shard axis every table has
+        return tables
 
     def table_axes(self) -> list[tuple[str, ...]]:
         """What each of `tables()` is split along, axis by axis from the first: ("seq",) or
         ("seq", "heads"); a device's slice keeps a leading axis of 1 (`device_tables`)."""
+        if self.stored:  # one device's: every device holds them whole
+            return [("seq",)] * len(self.tables())
         return [("seq", "heads") if t.ndim == 4 and t.shape[1] > 1 else ("seq",) for t in self.tables()]
 
     def device_tables(self, seq_shard: int, head_shard: int = 0) -> list[np.ndarray]:
@@ -149,19 +201,23 @@ class Program:
 
     def _kernel_for(self, tables):
         """The kernel, and the arrays of its block tables the vjp may keep: a sharded program's
-        are this device's slice of its inputs (leading axis 1), the others' are constants."""
-        if not self.sharded:
+        are this device's slice of its inputs (leading axis 1), as are a stored-block mask's (its
+        partial blocks too); the others' are constants."""
+        if not self.takes_tables:
             return self.kernel, []
         positions, infos = self._infos
         given = iter(tables)
         q_sequence = None if positions is None else next(given)[0]
         mine, kept = [], [] if q_sequence is None else [q_sequence]
-        for info, partial_blocks in zip(infos, self._partial_blocks):
+        for info, partial_blocks in zip(infos, self._partial_blocks or [None] * len(infos)):
             if info is None:
                 mine.append(None)
                 continue
             data_next, *mask_next, block_mask = (next(given)[0] for _ in _per_device(info))
             kept += [data_next, *mask_next, block_mask]
+            if self.stored and info.partial_mask_blocks is not None:
+                partial_blocks = next(given)[0]
+                kept.append(partial_blocks)
             mine.append(compat.mask_info(data_next, (mask_next or [None])[0], block_mask, partial_blocks, q_sequence))
         mask_function = None if positions is None else _sharded_bound_mask(self.plan).mask_function
         return _kernel(self.plan, mine, mask_function), kept
@@ -337,6 +393,37 @@ class Program:
         return (dq, dk, dv, *d_sinks)
 
 
+# Stored-block programs by what their jitted functions depend on (`Program._shapes`): a program
+# whose mask has other contents in the same shapes takes the functions of the first, which JAX
+# has traced and compiled (bounded by policy.STORED_SHAPES).
+class _SharedPrograms:
+    def __init__(self, size: int):
+        self.size = size
+        self._programs: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._programs.clear()
+
+    def setdefault(self, key: tuple, program: Program) -> Program:
+        with self._lock:
+            found = self._programs.setdefault(key, program)
+            self._programs.move_to_end(key)
+            while len(self._programs) > self.size:
+                self._programs.popitem(last=False)
+            return found
+
+
+_SHARED = _SharedPrograms(policy.STORED_SHAPES)
+forget_shared_programs = _SHARED.clear
+
+
+def _grid_extent(plan: Plan, block_shape: tuple[int, int], is_dkv: bool) -> int:
+    """The unshrunk width of a kernel's grid: kv blocks per q row, or q blocks per kv column (dkv)."""
+    return plan.q_len_padded // block_shape[0] if is_dkv else plan.kv_len_padded // block_shape[1]
+
+
 def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
     fields = plan.block_sizes()
     for layout in ("q_layout", "k_layout", "v_layout"):
@@ -402,10 +489,11 @@ def _sharded_bound_mask(plan: Plan) -> _masks.BoundMask:
     )
 
 
-def _table_infos(plan: Plan) -> tuple[np.ndarray | None, list]:
+def _table_infos(plan: Plan, rounded: bool = False) -> tuple[np.ndarray | None, list]:
     """Every device's block tables: (the query positions (S, P) when the kernel evaluates a shared
     structured mask from them, else None; the forward, dq and dkv MaskInfos (None for a dq fused
-    into dkv), whose tables have a leading sequence-shard axis and then a head axis)."""
+    into dkv), whose tables have a leading sequence-shard axis and then a head axis). rounded:
+    stored partial blocks counted as `tables.bucketed` rounds them."""
     shared = _masks.shared_structured_mask(plan.mask)
     positions = plan.shard_positions()
     kv_len = plan.kv_len
@@ -422,6 +510,7 @@ def _table_infos(plan: Plan) -> tuple[np.ndarray | None, list]:
             plan.q_len * plan.q_shards,
             head_shards=plan.head_shards,
             kv_positions=plan.ring_kv_positions() if plan.ring else None,
+            round_partial=rounded,
         )
         positions = None
     infos = [None if layout is None else build(plan.kv_len_padded, kv_len, *layout) for layout in _kernel_tables(plan)]

@@ -11,7 +11,7 @@ import threading
 import jax
 
 from . import policy
-from .kernels import Program
+from .kernels import Program, forget_shared_programs
 from .plan import Plan
 from .ring import RingProgram
 
@@ -53,9 +53,11 @@ class ProgramCache:
         return len(self._programs)
 
     def cache_clear(self) -> None:
+        """Every program dropped, those whose jitted functions others of their shapes share too."""
         with self._lock:
             self._programs.clear()
             self._evicted = 0
+        forget_shared_programs()
 
 
 def release_jax_caches() -> None:

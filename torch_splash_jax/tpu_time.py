@@ -636,6 +636,7 @@ def splash_estimate(plan, generation: str, backward: bool = True) -> Estimate:
         args += [jax.ShapeDtypeStruct((b, plan.q_len), jnp.int32)] * 2
     if plan.has_sinks:
         args += [jax.ShapeDtypeStruct((hq,), jnp.float32)]
+    args += [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in program.tables()]  # a stored-block mask's
     forward_arity = len(args)
     if backward:
         args.append(jax.ShapeDtypeStruct((b, hq, plan.q_len, plan.head_dim_v), dtype))
