@@ -242,7 +242,7 @@ def test_skipped_blocks_are_never_computed_and_nothing_l_by_l_is_built():
 
 def test_documents_packed_anew_run_the_program_already_compiled():
     """A training loop packs other documents into each batch. A BlockMask with new contents whose
-    tables round to the same shapes (`tables.bucketed`) runs the jitted functions of the first:
+    tables round to the same shapes (`tables.bucket`) runs the jitted functions of the first:
     JAX traces nothing again (torch_xla then sees the same computation), and the outputs and
     gradients are the new mask's, as torch's flex_attention gives them."""
     import torch_splash_jax

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -78,20 +77,12 @@ class Program:
         # device runs this same program: `tables()` gives them, `table_axes()` their sharding.
         self.sharded = plan.q_shards > 1 or plan.head_shards > 1
         # An unsharded mask read from stored blocks (data, or one mask per head) takes its tables
-        # and partial blocks as inputs too, in shapes rounded up (`tables.bucketed`): a mask with
-        # other contents in the same shapes (documents packed anew) runs the same jitted
+        # and partial blocks as inputs too, in shapes rounded up (`tables.partial_mask_info`): a
+        # mask with other contents in the same shapes (documents packed anew) runs the same jitted
         # functions, so neither JAX nor torch_xla compiles again.
         self.stored = not self.sharded and _masks.shared_structured_mask(plan.mask) is None
         self.takes_tables = self.sharded or self.stored
         self._infos = _table_infos(plan, rounded=self.stored) if self.takes_tables else None
-        if self.stored:
-            self._infos = (
-                None,
-                [
-                    None if info is None else _tables.bucketed(info, layout[1], _grid_extent(plan, *layout[:2]))
-                    for info, layout in zip(self._infos[1], _kernel_tables(plan))
-                ],
-            )
         self._table_arrays = self._flat_tables() if self.takes_tables else []
         # A sharded plan's stored partial blocks are the same on every device: constants, made
         # outside any trace.
@@ -395,33 +386,9 @@ class Program:
 
 # Stored-block programs by what their jitted functions depend on (`Program._shapes`): a program
 # whose mask has other contents in the same shapes takes the functions of the first, which JAX
-# has traced and compiled (bounded by policy.STORED_SHAPES).
-class _SharedPrograms:
-    def __init__(self, size: int):
-        self.size = size
-        self._programs: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._programs.clear()
-
-    def setdefault(self, key: tuple, program: Program) -> Program:
-        with self._lock:
-            found = self._programs.setdefault(key, program)
-            self._programs.move_to_end(key)
-            while len(self._programs) > self.size:
-                self._programs.popitem(last=False)
-            return found
-
-
-_SHARED = _SharedPrograms(policy.STORED_SHAPES)
+# has traced and compiled.
+_SHARED = policy.Recent(policy.STORED_SHAPES)
 forget_shared_programs = _SHARED.clear
-
-
-def _grid_extent(plan: Plan, block_shape: tuple[int, int], is_dkv: bool) -> int:
-    """The unshrunk width of a kernel's grid: kv blocks per q row, or q blocks per kv column (dkv)."""
-    return plan.q_len_padded // block_shape[0] if is_dkv else plan.kv_len_padded // block_shape[1]
 
 
 def _jax_block_sizes(plan: Plan) -> _splash.BlockSizes:
@@ -493,7 +460,7 @@ def _table_infos(plan: Plan, rounded: bool = False) -> tuple[np.ndarray | None, 
     """Every device's block tables: (the query positions (S, P) when the kernel evaluates a shared
     structured mask from them, else None; the forward, dq and dkv MaskInfos (None for a dq fused
     into dkv), whose tables have a leading sequence-shard axis and then a head axis). rounded:
-    stored partial blocks counted as `tables.bucketed` rounds them."""
+    stored tables in rounded shapes (`tables.partial_mask_info`)."""
     shared = _masks.shared_structured_mask(plan.mask)
     positions = plan.shard_positions()
     kv_len = plan.kv_len
@@ -510,7 +477,7 @@ def _table_infos(plan: Plan, rounded: bool = False) -> tuple[np.ndarray | None, 
             plan.q_len * plan.q_shards,
             head_shards=plan.head_shards,
             kv_positions=plan.ring_kv_positions() if plan.ring else None,
-            round_partial=rounded,
+            rounded=rounded,
         )
         positions = None
     infos = [None if layout is None else build(plan.kv_len_padded, kv_len, *layout) for layout in _kernel_tables(plan)]

@@ -19,7 +19,9 @@ programs as it holds) it calls `jax.clear_caches()` and returns the freed heap t
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 # torch_splash_jax.programs.program: a plan's jitted forward, infer and backward with their block tables.
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
@@ -53,3 +55,33 @@ FLEX_MASKS = 8
 # torch_splash.masks._resolve_mask_mod: a FlexAttention mask_mod evaluated densely, (H, Lq, Lkv)
 # bools each: keep few.
 MASK_MODS = 32
+
+
+class Recent:
+    """The `size` entries used last (a bound above), the least recently used dropped first; safe
+    across threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def setdefault(self, key, value):
+        """The entry of `key`, `value` if it had none; either way now the most recently used."""
+        with self._lock:
+            found = self._entries.setdefault(key, value)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+            return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()

@@ -26,6 +26,20 @@ from .masks import Mask
 _mask_info = compat.splash_modules()[2]
 
 
+# Rounded partial blocks are counted from at least this many: a short mask's few distinct blocks
+# vary most between packings, and 16 extra blocks cost little beside the kernel's own.
+MIN_PARTIAL_BLOCKS = 16
+
+
+def bucket(n: int, limit: int | None = None) -> int:
+    """n rounded up to one of four sizes per doubling (a multiple of 2**(e - 2) for n in [2**e,
+    2**(e + 1)); n itself below 8), at most `limit` (and never below n): shapes that change rarely,
+    at most 1/4 larger than needed."""
+    step = 1 << max(n.bit_length() - 3, 0)
+    rounded = -(-n // step) * step
+    return rounded if limit is None else min(rounded, max(limit, n))
+
+
 def _next_nonzero(nonzero_flat: np.ndarray, coordinate_flat: np.ndarray) -> np.ndarray:
     """For each grid step, the coordinate of the first non-empty step at or after it (wrapping)."""
     positions = np.arange(nonzero_flat.size)
@@ -247,7 +261,7 @@ def partial_mask_info(
     shrink_grid: bool,
     head_shards: int = 1,
     kv_positions: np.ndarray | None = None,
-    round_partial: bool = False,
+    rounded: bool = False,
 ) -> _mask_info.MaskInfo:
     """The tables of every query-sequence shard for per-head masks and masks that are data, which
     the kernel reads from stored partial blocks (no mask function); and of a ring step, for every
@@ -263,7 +277,10 @@ def partial_mask_info(
     positions (the balanced layout): each partial block is evaluated at its own rows. kv_positions
     (S, kv_len_padded): the global key position of each column each shard attends to, -1 for
     padding (a ring step's); default: keys 0..kv_len for every shard, the columns past it padding.
-    round_partial: N rounded up as `bucketed` says, the added blocks never named by mask_next."""
+    rounded: the shrunk grid's width (at most the unshrunk one) and N (from MIN_PARTIAL_BLOCKS)
+    rounded up to a `bucket`, so that masks with other contents (documents packed anew) mostly give
+    tables of the same shapes, which one compiled program takes as inputs; the added grid steps are
+    empty (block_mask 0), where `_shrink` pads, and mask_next never names the added blocks."""
     block_q, block_kv = block_shape
     unique = list(dict.fromkeys(heads))  # numbered in order of first use, as JAX numbers masks
     shards = positions.shape[0]
@@ -298,11 +315,13 @@ def partial_mask_info(
             mask_next[s, heads_of_group] = _next_in_grid(kinds[s, heads_of_group] == 1, ids[s, heads_of_group], is_dkv)
     if shrink_grid and kinds.shape[1] == 1 and kinds.any():
         width = max(_shrunk_width(k[0], is_dkv) for k in kinds)
+        if rounded:
+            width = bucket(width, kinds.shape[-2 if is_dkv else -1])
         shrunk = [_shrink(k[0], d[0], is_dkv, width, m[0]) for k, d, m in zip(kinds, data_next, mask_next)]
         kinds, data_next, mask_next = (np.stack(t)[:, None] for t in zip(*shrunk))
     partial_blocks = None
     if blocks:
-        count = bucket(max(len(blocks), MIN_PARTIAL_BLOCKS)) if round_partial else len(blocks)
+        count = bucket(max(len(blocks), MIN_PARTIAL_BLOCKS)) if rounded else len(blocks)
         partial_blocks = np.zeros((count, *(blocks[0].shape[::-1] if is_dkv else blocks[0].shape)), bool)
         for i, block in enumerate(blocks):  # bool, as _evaluate gives them
             partial_blocks[i] = block.T if is_dkv else block
@@ -314,38 +333,3 @@ def partial_mask_info(
         partial_mask_blocks=partial_blocks,
         q_sequence=None,
     )
-
-
-def bucket(n: int, limit: int | None = None) -> int:
-    """n rounded up to one of four sizes per doubling (a multiple of 2**(e - 2) for n in [2**e,
-    2**(e + 1)); n itself below 8), at most `limit` (and never below n): shapes that change rarely,
-    at most 1/4 larger than needed."""
-    step = 1 << max(n.bit_length() - 3, 0)
-    rounded = -(-n // step) * step
-    return rounded if limit is None else min(rounded, max(limit, n))
-
-
-# Partial blocks are counted from at least this many when rounded: a short mask's few distinct
-# blocks vary most between packings, and 16 extra blocks cost little beside the kernel's own.
-MIN_PARTIAL_BLOCKS = 16
-
-
-def bucketed(info: _mask_info.MaskInfo, is_dkv: bool, extent: int) -> _mask_info.MaskInfo:
-    """Stored-block tables (`partial_mask_info` with round_partial, one shard) with the shrunk
-    grid's width rounded up to a `bucket`: with the number of partial blocks (rounded from
-    MIN_PARTIAL_BLOCKS), masks with other contents (documents packed anew) mostly give tables of
-    the same shapes, which one compiled program takes as inputs. The added grid steps are empty
-    (block_mask 0: the kernel skips them), placed where `_shrink` pads (after each q row's blocks,
-    before each kv column's for dkv). extent: the unshrunk grid's width (kv blocks for a q row, q
-    blocks for a kv column), which bounds the rounded one."""
-    axis = -2 if is_dkv else -1
-    width = info.block_mask.shape[axis]
-    target = bucket(width, extent)
-    tables = {}
-    for name in ("data_next", "mask_next", "block_mask"):
-        table = getattr(info, name)
-        if table is not None:
-            widths = [(0, 0)] * table.ndim
-            widths[axis] = (target - width, 0) if is_dkv else (0, target - width)
-            tables[name] = np.pad(table, widths)
-    return info._replace(**tables)

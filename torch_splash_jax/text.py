@@ -14,11 +14,9 @@ of content, never a registry something depends on.
 from __future__ import annotations
 
 import ast
-import collections
 import dataclasses
 import functools
 import operator
-import threading
 
 import numpy as np
 
@@ -119,7 +117,7 @@ def plan_text(plan: Plan) -> tuple[str, list[np.ndarray]]:
     if source is None:
         raise TypeError(f"a plan's mask has no source: {plan.mask!r}")
     text = repr({**fields, "mask": source})
-    _PLANS.keep(text, plan)
+    _PLANS.setdefault(text, plan)
     return text, arrays
 
 
@@ -135,32 +133,9 @@ def plan_from_text(text: str, arrays=()) -> Plan:
     if found is None:
         fields = plan_fields(text)
         fields["mask"] = mask_from_source(fields["mask"], arrays)
-        found = Plan(**fields)
-        _PLANS.keep(text, found)
+        found = _PLANS.setdefault(text, Plan(**fields))
     return found
 
 
-class _Memo:
-    """The plans of the texts written or read last. Plans can hold dense masks: bounded."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._plans: collections.OrderedDict[str, Plan] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, text: str) -> Plan | None:
-        with self._lock:
-            found = self._plans.get(text)
-            if found is not None:
-                self._plans.move_to_end(text)
-            return found
-
-    def keep(self, text: str, plan: Plan) -> None:
-        with self._lock:
-            self._plans[text] = plan
-            self._plans.move_to_end(text)
-            while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
-
-
-_PLANS = _Memo(policy.PLAN_TEXTS)
+# The plans of the texts written or read last. Plans can hold dense masks: bounded.
+_PLANS = policy.Recent(policy.PLAN_TEXTS)
