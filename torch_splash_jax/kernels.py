@@ -101,20 +101,12 @@ class Program:
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self._kernel = None if self.no_pairs or self.takes_tables else _build_kernel(plan)
         self._layout = None  # _residual_layout
-        shared = _SHARED.setdefault(self._shapes(), self) if self.stored else self
-        self.forward, self.backward, self.infer = shared.forward_jit, shared.backward_jit, shared.infer_jit
-
-    @functools.cached_property
-    def forward_jit(self):
-        return jax.jit(self.forward_body)
-
-    @functools.cached_property
-    def backward_jit(self):
-        return jax.jit(self.backward_body)
-
-    @functools.cached_property
-    def infer_jit(self):
-        return jax.jit(self.infer_body)
+        self.forward = jax.jit(self.forward_body)
+        self.backward = jax.jit(self.backward_body)
+        self.infer = jax.jit(self.infer_body)
+        if self.stored:  # the first program of these shapes has traced them: its functions serve this one
+            shared = _SHARED.setdefault(self._shapes(), self)
+            self.forward, self.backward, self.infer = shared.forward, shared.backward, shared.infer
 
     def _shapes(self) -> tuple:
         """What a stored-block program's jitted functions depend on: the plan but for its mask,
