@@ -99,6 +99,29 @@ def test_a_changed_mask_recompiles():
             torch.testing.assert_close(fn(q, k, v, mask), torch_splash.attention(q, k, v, mask), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
+def test_each_sequence_length_compiles_its_own_graph(dynamic):
+    """A graph holds the plan of one shape: sizes Dynamo makes symbolic (from the second length
+    on with automatic dynamic shapes, from the first with dynamic=True) are specialised with a
+    guard, so each length compiles its own graph, and each gives SDPA's output and gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True, backend=counter, dynamic=dynamic
+    )
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for length in (40, 56, 72, 56):
+        q, k, v = make_qkv(1, 2, 2, length, length, 32, 32, torch.float32)
+        d_out = torch.randn(1, 2, length, 32)
+        (out, grads), (want, want_grads) = forward_backward(fn, q, k, v, d_out), forward_backward(sdpa, q, k, v, d_out)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+        for mine, ref in zip(grads, want_grads):
+            torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+    assert counter.frame_count == 3  # the repeated length runs its graph again
+
+
 def test_compiled_inference_matches_eager():
     q, k, v = (t.detach() for t in make_qkv(2, 4, 1, 50, 70, 32, 16, torch.float32))
     mask = CausalMask(20)

@@ -225,3 +225,12 @@ def check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks=None) -> Check
 
 def dtype_name(t: torch.Tensor) -> str:
     return _DTYPES[t.dtype]
+
+
+def static_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """t's sizes as ints. Under torch.compile a graph holds the plan of one shape (block sizes,
+    padding and tables come from sizes), so a size Dynamo made symbolic (automatic dynamic shapes
+    after a second shape, or dynamic=True) is specialised here, with a guard: a graph is compiled
+    for each shape met, as with dynamic=False. Formatting a size is what makes Dynamo specialise it
+    (int() leaves it symbolic)."""
+    return tuple(int(f"{n}") for n in t.shape)

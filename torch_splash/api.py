@@ -20,8 +20,9 @@ def _plan(
     call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None
 ) -> torch_splash_jax.Plan:
     """The plan of a checked call: at the shapes each device sees when sharded."""
-    batch, q_heads, q_len, head_dim = call.q.shape
-    kv_heads = call.k.shape[1]
+    # ints: under torch.compile these are fake tensors' sizes, specialised (`_checks.static_shape`)
+    batch, q_heads, q_len, head_dim = (int(n) for n in call.q.shape)
+    kv_heads, kv_len, head_dim_v = int(call.k.shape[1]), int(call.k.shape[2]), int(call.v.shape[-1])
     q_shards, layout, head_shards, context_parallel = 1, "contiguous", 1, "all_gather"
     if sharding is not None:
         batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
@@ -32,9 +33,9 @@ def _plan(
         num_q_heads=q_heads,
         num_kv_heads=kv_heads,
         q_len=q_len,
-        kv_len=call.k.shape[2],
+        kv_len=kv_len,
         head_dim=head_dim,
-        head_dim_v=call.v.shape[-1],
+        head_dim_v=head_dim_v,
         dtype=_checks.dtype_name(call.q),
         mask=call.mask,
         scale=call.scale,
@@ -121,7 +122,12 @@ def attention(
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
     # Under compile a structured mask crosses as its source text (see _compile).
-    source = jax_text.mask_source(mask) if torch.compiler.is_compiling() else None
+    source = None
+    if torch.compiler.is_compiling():
+        for t in (q, k, v):
+            if isinstance(t, torch.Tensor):  # others are refused by name in the checks
+                _checks.static_shape(t)
+        source = jax_text.mask_source(mask)
     options = dict(
         mask=mask if source is None else None,
         mask_source=source,
@@ -195,3 +201,20 @@ def _attention(
     lse = lse[..., : plan.q_len]
     lse = torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
     return out, lse.squeeze(0) if call.unbatched else lse
+
+
+def attention_backward(q, k, v, mask, out, lse, d_out, *, scale=None, soft_cap=None):
+    """dq, dk, dv of ``attention(q, k, v, mask, scale=..., soft_cap=..., return_lse=True)`` from
+    what it returned (out, lse) and out's gradient: its backward, the dq/dkv kernels alone, for a
+    caller that holds those instead of an autograd graph (a custom op's own backward)."""
+    call = _checks.check_call(q, k, v, mask, scale, None, soft_cap)
+    plan = _plan(call, None, call.platform, None)
+    # the kernels' rows past Lq, and rows that saw no key (-inf here), take +inf: p = 0 there
+    lse = torch.where(torch.isneginf(lse), torch.inf, lse)
+    lse = torch.nn.functional.pad(lse, (0, plan.q_len_padded - plan.q_len), value=torch.inf)
+    computed = call.q.dtype
+    dq, dk, dv, _ = _ops.backward(
+        call.q, call.k, call.v, None, None, None, out.to(computed), lse, d_out.to(computed),
+        *_ops.op_arguments(plan, None), "",
+    )  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
