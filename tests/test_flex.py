@@ -1,6 +1,8 @@
 """torch_splash.flex_attention against torch's own flex_attention on the CPU: outputs, logsumexp
 and gradients, for the masks FlexAttention code uses, and what it refuses."""
 
+import collections
+import functools
 import math
 import sys
 import types
@@ -92,8 +94,8 @@ def reference(q, k, v, block_mask=None, score_mod=None):
     return (scores - lse[..., None]).exp().nan_to_num(0.0) @ v, lse
 
 
-def _splash(q, k, v, block_mask, score_mod, d_out):
-    out, aux = torch_splash.flex_attention(
+def _splash(q, k, v, block_mask, score_mod, d_out, flex=torch_splash.flex_attention):
+    out, aux = flex(
         q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True)
     )
     return out.detach(), aux.lse.detach(), torch.autograd.grad(out, (q, k, v), d_out)
@@ -132,6 +134,155 @@ def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name):
         torch.testing.assert_close(got[1], want[1], atol=oa, rtol=orr)  # logsumexp: as exact as the output
     for name_, mine, ref in zip("qkv", got[2], exact[2]):
         torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
+
+
+def _compiled_flex(backend="aot_eager"):
+    torch._dynamo.reset()
+    return torch.compile(torch_splash.flex_attention, fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_torch_compile_fullgraph_traces_flex_attention(name):
+    """Under torch.compile(fullgraph=True) the BlockMask is converted inside the graph (Dynamo
+    traces its mask_mod): output, logsumexp and gradients against torch's flex_attention and the
+    float64 reference, as the eager test above."""
+    case = CASES[name]
+    (hq, hkv), q_len, kv_len = case[3], case[4], case[5]
+    q, k, v = make_qkv(2, hq, hkv, q_len, kv_len, 32, 32, torch.float32)
+    block_mask, d_out = _block_mask(case), torch.randn(2, hq, q_len, 32)
+    got = _splash(q, k, v, block_mask, case[6], d_out, flex=_compiled_flex())
+    exact = _reference(q, k, v, block_mask, case[6], d_out)
+    theirs = _torch_forward(q, k, v, block_mask, case[6])
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    for want in (theirs, (exact[0].float(), exact[1].float())):
+        torch.testing.assert_close(got[0], want[0], atol=oa, rtol=orr)
+        torch.testing.assert_close(got[1], want[1], atol=oa, rtol=orr)
+    for name_, mine, ref in zip("qkv", got[2], exact[2]):
+        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] is not None])
+def test_the_graph_s_conversion_gives_the_masks_the_eager_one_gives(name):
+    """The compiled path's conversion (tensors in the graph, masks where its op runs) and the eager
+    one give equal masks, per batch element and head."""
+    from torch_splash import flex
+
+    case = CASES[name]
+    (hq, _), q_len, kv_len = case[3], case[4], case[5]
+    block_mask = _block_mask(case)
+    table, where, blocks, assign = flex.graph_tables(block_mask, 2, hq)
+    in_graph = flex.graph_masks(table, where, blocks, assign, (q_len, kv_len), tuple(block_mask.BLOCK_SIZE))
+    assert in_graph == block_mask_masks(block_mask, 2, hq, q_len, kv_len)
+
+
+def test_torch_compile_fullgraph_with_inductor():
+    case = CASES["documents-per-batch"]
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 32, 32, torch.float32)
+    block_mask, d_out = _block_mask(case), torch.randn(2, 4, 300, 32)
+    got = _splash(q, k, v, block_mask, None, d_out, flex=_compiled_flex("inductor"))
+    exact = _reference(q, k, v, block_mask, None, d_out)
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
+    torch.testing.assert_close(got[1], exact[1].float(), atol=oa, rtol=orr)
+    for mine, ref in zip(got[2], exact[2]):
+        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+
+
+def test_under_torch_compile_documents_packed_anew_reuse_the_graph():
+    """New packings are new data for one compiled graph: Dynamo compiles once, and each step's
+    outputs and gradients are its own mask's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    flex = torch.compile(torch_splash.flex_attention, fullgraph=True, backend=counter)
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 32, 32, torch.float32)
+    d_out = torch.randn(2, 4, 300, 32)
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    for lengths in ([[100, 60, 140], [37, 263]], [[300], [150, 150]], [[10, 290], [299, 1]]):
+        block_mask = create_block_mask(documents(lengths, 300), 2, None, 300, 300, device="cpu")
+        got = _splash(q, k, v, block_mask, None, d_out, flex=flex)
+        exact = _reference(q, k, v, block_mask, None, d_out)
+        torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
+        for mine, ref in zip(got[2], exact[2]):
+            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+    assert counter.frame_count == 1
+
+
+def test_under_torch_compile_each_sequence_length_compiles_its_own_graph():
+    """Automatic dynamic shapes make the sizes symbolic from the second length on: they are
+    specialised, so each length compiles its own graph, with its own BlockMask's outputs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    flex = torch.compile(torch_splash.flex_attention, fullgraph=True, backend=counter)
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    for length in (200, 260, 330):
+        q, k, v = make_qkv(1, 2, 2, length, length, 32, 32, torch.float32)
+        block_mask = create_block_mask(sliding_window(48), None, None, length, length, device="cpu")
+        d_out = torch.randn(1, 2, length, 32)
+        got = _splash(q, k, v, block_mask, None, d_out, flex=flex)
+        exact = _reference(q, k, v, block_mask, None, d_out)
+        torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
+        for mine, ref in zip(got[2], exact[2]):
+            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+    assert counter.frame_count == 3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_under_torch_compile_the_layers_passing_one_block_mask_build_its_masks_once(backend, monkeypatch):
+    """Every layer passing one BlockMask, and the backward, gives the ops equal tensors: the masks
+    are built once a step, and a new packing builds anew. Two layers' outputs and gradients against
+    the float64 reference."""
+    from torch_splash import flex
+
+    built, build = [], flex._built_masks
+    monkeypatch.setattr(flex, "_built_masks", lambda *args: built.append(1) or build(*args))
+    monkeypatch.setattr(flex, "_GRAPH_MASKS", collections.OrderedDict())
+
+    def two_layers(attend, q, k, v, block_mask):
+        return attend(attend(q, k, v, block_mask=block_mask), k, v, block_mask=block_mask)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        functools.partial(two_layers, torch_splash.flex_attention), fullgraph=True, backend=backend
+    )
+    q, k, v = make_qkv(1, 2, 2, 300, 300, 32, 32, torch.float32)
+    for lengths in ([[100, 60, 140]], [[37, 263]]):
+        block_mask = create_block_mask(documents(lengths, 300), 1, None, 300, 300, device="cpu")
+        built.clear()
+        out = compiled(q, k, v, block_mask)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert len(built) == 1
+        exact_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        exact = two_layers(lambda *a, block_mask: reference(*a, block_mask)[0], *exact_inputs, block_mask)
+        exact_grads = torch.autograd.grad(exact.sum(), exact_inputs)
+        (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+        torch.testing.assert_close(out, exact.float(), atol=oa, rtol=orr)
+        for mine, ref in zip(grads, exact_grads):
+            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+
+
+def test_under_torch_compile_a_gradient_through_the_logsumexp_is_an_error_not_dropped():
+    q, k, v = make_qkv(1, 2, 2, 130, 130, 32, 32, torch.float32)
+    flex = _compiled_flex()
+    out, lse = flex(q, k, v, return_lse=True)
+    out.sum().backward()  # lse unused: fine
+    out, lse = flex(q, k, v, return_lse=True)
+    with pytest.raises(SplashConstraintError, match="logsumexp"):
+        (out.sum() + lse.sum()).backward()
+
+
+def test_under_fullgraph_a_refused_call_stops_the_trace_naming_the_error():
+    """Dynamo reports a SplashError raised while it traces as `Unsupported` with the error's
+    message (without fullgraph the call runs eagerly and raises the SplashError itself)."""
+    q, k, v = (t.detach() for t in make_qkv(1, 4, 2, 130, 130, 32, 32, torch.float32))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="SplashConstraintError.*enable_gqa"):
+        _compiled_flex()(q, k, v)
+    torch._dynamo.reset()
+    with pytest.raises(SplashConstraintError, match="enable_gqa"):
+        torch.compile(torch_splash.flex_attention, backend="aot_eager")(q, k, v)
 
 
 @pytest.mark.parametrize("block_size", [64, (128, 256), 200], ids=["64", "128x256", "200"])
@@ -418,11 +569,11 @@ def test_route_flex_serves_a_model_wrapped_in_torch_compile(model_module):
     with torch.no_grad():
         want = torch_flex(q.detach(), k.detach(), v.detach(), block_mask=block_mask)
     torch._dynamo.reset()
-    compiled = torch.compile(model_module.attend, backend="aot_eager")
+    compiled = torch.compile(model_module.attend, fullgraph=True, backend="aot_eager")
     with torch_splash.route_flex():
         got = compiled(q, k, v, block_mask)
         got.sum().backward()
-        with pytest.raises(SplashConstraintError, match="relative_bias"):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="relative_bias"):
             compiled(q, k, v, block_mask, score_mod=_relative_bias)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert q.grad is not None
@@ -449,13 +600,15 @@ class PackedDocumentModel(torch.nn.Module):
         return self.out(out.transpose(1, 2).reshape(b, length, -1))
 
 
-def train_packed_documents(device, steps=3, attend=None):
+def train_packed_documents(device, steps=3, attend=None, compiled=False):
     """Losses and final weights of a few SGD steps of PackedDocumentModel on `device`, with a
     document-causal BlockMask built on the CPU (torch's create_block_mask fails on torch_xla's
     device: "Cannot concatenate arrays with different element types: S64 vs S32"). attend: what
-    the model calls instead of torch's flex_attention (the reference)."""
+    the model calls instead of torch's flex_attention (the reference). compiled: the model runs
+    under torch.compile(fullgraph=True)."""
     torch.manual_seed(0)
     model = PackedDocumentModel().to(device)
+    call = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randn(2, 300, 64).to(device)
     doc = torch.tensor([[0] * 100 + [1] * 60 + [2] * 140, [0] * 37 + [1] * 263])
@@ -467,7 +620,7 @@ def train_packed_documents(device, steps=3, attend=None):
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = model(x, block_mask, attend).square().mean()
+        loss = call(x, block_mask, attend).square().mean()
         loss.backward()
         optimizer.step()
         losses.append(loss.detach().cpu())
@@ -486,12 +639,47 @@ def assert_trains_like_torch(got, want):
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("transport", ["graph", "dlpack"])
+@pytest.mark.parametrize(
+    "transport, compiled", [("graph", False), ("dlpack", False), ("graph", True)], ids=["graph", "dlpack", "fullgraph"]
+)
 def test_a_model_written_for_flex_attention_trains_on_torch_xla_s_device_as_with_torch(
-    xla_device, transport, monkeypatch
+    xla_device, transport, compiled, monkeypatch
 ):
+    """fullgraph: the model under torch.compile(fullgraph=True) with the aot_eager backend, whose
+    graph torch_xla then runs lazily (torch_xla's own openxla backend is not served: see docs)."""
     monkeypatch.setenv("TORCH_SPLASH_TRANSPORT", transport)
     want = train_with_the_reference()
+    torch._dynamo.reset()
     with torch_splash.route_flex():
-        got = train_packed_documents(xla_device)
+        got = train_packed_documents(xla_device, compiled=compiled)
     assert_trains_like_torch(got, want)
+
+
+def test_a_model_written_for_flex_attention_trains_under_torch_compile_fullgraph_as_with_torch():
+    want = train_with_the_reference()
+    with torch_splash.route_flex():
+        got = train_packed_documents("cpu", compiled=True)
+    assert_trains_like_torch(got, want)
+
+
+@pytest.mark.parametrize("op", ["partial_blocks", "flex_forward", "flex_backward"])
+def test_opcheck_of_the_compiled_path_s_ops(op, monkeypatch):
+    """torch.library.opcheck (schema, fake vs real, autograd registration) on the arguments the
+    traced conversion gives them for a document mask."""
+    from torch_splash import flex
+
+    q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 300, 300, 32, 32, torch.float32))
+    block_mask = _block_mask(CASES["documents-per-batch"])
+    given = []
+    monkeypatch.setattr(flex, "flex_forward", lambda *args: given.append(args))
+    flex._traced(q, k, v, block_mask, None, None)
+    (args,) = given
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if op == "partial_blocks":
+        where = torch.ops.torch_splash.partial_blocks.default(args[3])
+        assert where.shape[0] == int((args[3] == 1).sum()) + 1 and where[-1].eq(0).all()  # then the stand-in
+        args = (args[3],)
+    if op == "flex_backward":
+        out, lse = torch.ops.torch_splash.flex_forward.default(*args)
+        args = (q, k, v, out, lse, torch.randn_like(out), None, *args[3:])
+    torch.library.opcheck(getattr(torch.ops.torch_splash, op).default, args, test_utils=tests)

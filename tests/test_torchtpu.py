@@ -104,14 +104,17 @@ def test_sdpa_drop_in_and_torch_compile_through_jax_op(torchtpu):
     assert q.grad is not None and sum(torchtpu.calls.values()) >= 3
 
 
-def test_a_model_written_for_flex_attention_trains_through_jax_op(torchtpu):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fullgraph"])
+def test_a_model_written_for_flex_attention_trains_through_jax_op(torchtpu, compiled):
     """torch_splash.flex_attention (by route_flex) with a document-causal BlockMask, on TorchTPU's
-    path: losses and weights after three SGD steps as with FlexAttention's definition in torch ops."""
+    path, eager and under torch.compile(fullgraph=True): losses and weights after three SGD steps as
+    with FlexAttention's definition in torch ops."""
     from test_flex import assert_trains_like_torch, train_packed_documents, train_with_the_reference
 
     want = train_with_the_reference()
+    torch._dynamo.reset()
     with torch_splash.route_flex():
-        got = train_packed_documents("cpu")
+        got = train_packed_documents("cpu", compiled=compiled)
     assert sum(torchtpu.calls.values()) == 2 * 3 * 2  # per step: each batch element's forward and backward
     assert_trains_like_torch(got, want)
 

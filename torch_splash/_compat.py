@@ -94,6 +94,34 @@ def mask_mod_trace(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | N
     return reads, captured, module.code
 
 
+def constant_while_tracing(fn):
+    """Dynamo calls `fn` (on arguments it holds as constants) while it traces, and keeps its result
+    as a constant of the graph, guarded only as those arguments are."""
+    import torch
+
+    return torch._dynamo.assume_constant_result(fn)
+
+
+def dynamic_size(minimum: int):
+    """A size only the data decides, in a custom op's fake implementation (an unbacked SymInt of at
+    least `minimum`). torch 2.15 allows one under Dynamo as it is; torch 2.9's public
+    `new_dynamic_size` refuses unless `capture_dynamic_output_shape_ops` is set, so the size is made
+    as that would make it."""
+    import torch
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    ctx = torch.library.get_ctx()
+    try:
+        return ctx.new_dynamic_size(min=minimum)
+    except DynamicOutputShapeException:
+        if ctx._shape_env is None:  # no symbolic shapes at all (a plain FakeTensorMode)
+            raise
+        size = ctx._shape_env.create_unbacked_symint()
+        _constrain_range_for_size(size, min=minimum)
+        return size
+
+
 def tensor_version(t) -> int:
     """The version counter torch bumps on every in-place change of a tensor (and of its views)."""
     return t._version

@@ -8,9 +8,12 @@ mask_mod at every (b, h) of the call whose b or h it reads, as torch's kernels e
 Blocks torch skips are never computed, and nothing (Lq, Lkv)-sized is built.
 
 A mask that differs across the batch runs one batch element at a time (each with its own
-tables); one that differs across heads keeps one table per head. A new mask is a new splash
-program, compiled on first use: masks that change every step (documents packed differently in
-each batch) compile every step.
+tables); one that differs across heads keeps one table per head. The tables are inputs of the
+splash program, so documents packed anew run the program already compiled when their tables round
+to the same shapes.
+
+Under torch.compile(fullgraph=True) the BlockMask is converted inside the graph (Dynamo traces the
+mask_mod), and custom ops run the kernels on the result: see `graph_tables`.
 
 `soft_cap(cap)` is the one score_mod splash serves: a valid score_mod for torch's flex_attention
 too, so one model runs both ways. Every other score_mod is refused by name.
@@ -21,16 +24,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import hashlib
+import json
 import sys
 import weakref
 
+import numpy as np
 import torch
 from torch.nn.attention import flex_attention as _torch_flex
 
 from torch_splash_jax import BlockSparseMask, MultiHeadMask, SplashConstraintError, SplashDtypeError, policy
 
-from . import _compat
-from .api import attention
+from . import _checks, _compat
+from .api import attention, attention_backward
 
 __all__ = ["flex_attention", "route_flex", "soft_cap"]
 
@@ -70,43 +77,47 @@ def soft_cap(cap: float) -> SoftCap:
 _ELEMENTS_PER_EVALUATION = 1 << 22
 
 
-def _evaluate_blocks(mask_mod, b: int, h: int, rows: torch.Tensor, cols: torch.Tensor, shape, block_shape):
-    """(n, bq, bkv) bool: mask_mod at batch b, head h over the blocks (rows[i], cols[i]) of the
-    block grid, False past the lengths. Called as torch's create_mask calls it: vmapped, with 0-d
-    index tensors, and never at an index past the lengths (a captured (B, L) tensor indexed there
-    would fail)."""
+def _evaluate_blocks(mask_mod, b, h, rows: torch.Tensor, cols: torch.Tensor, shape, block_shape):
+    """(n, bq, bkv) bool: mask_mod at batch b[i], head h[i] (ints, or (n,) tensors) over the
+    blocks (rows[i], cols[i]) of the block grid, False past the lengths. Called as torch's
+    create_mask calls it: vmapped, with 0-d index tensors, and never at an index past the lengths
+    (a captured (B, L) tensor indexed there would fail)."""
     (q_len, kv_len), (bq, bkv) = shape, block_shape
     device = rows.device
+    b, h = (torch.full_like(rows, i) if isinstance(i, int) else i for i in (b, h))
     q = rows[:, None] * bq + torch.arange(bq, device=device)  # (n, bq)
     kv = cols[:, None] * bkv + torch.arange(bkv, device=device)  # (n, bkv)
     fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
     fn = torch.vmap(fn, in_dims=(None, None, 0, None))
-    fn = torch.vmap(fn, in_dims=(None, None, 0, 0))
-    batch, head = torch.tensor(b, device=device), torch.tensor(h, device=device)
-    step = max(1, _ELEMENTS_PER_EVALUATION // (bq * bkv))
+    fn = torch.vmap(fn, in_dims=(0, 0, 0, 0))
+    if torch.compiler.is_compiling():  # n is data there, unknown while tracing: one evaluation
+        chunks = [slice(None)]
+    else:
+        step = max(1, _ELEMENTS_PER_EVALUATION // (bq * bkv))
+        chunks = [slice(start, start + step) for start in range(0, rows.numel(), step)]
     out = []
-    for start in range(0, rows.numel(), step):
-        qs, kvs = q[start : start + step], kv[start : start + step]
+    for part in chunks:
+        qs, kvs = q[part], kv[part]
         with _compat.mask_mod_indexing():
-            allowed = fn(batch, head, qs.clamp(max=q_len - 1), kvs.clamp(max=kv_len - 1))
+            allowed = fn(b[part], h[part], qs.clamp(max=q_len - 1), kvs.clamp(max=kv_len - 1))
         if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
             raise SplashDtypeError(
                 f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!r} returned "
                 f"{getattr(allowed, 'dtype', type(allowed).__name__)}: it must return a bool tensor."
             )
         out.append(allowed & (qs < q_len)[:, :, None] & (kvs < kv_len)[:, None, :])
-    return torch.cat(out).cpu() if out else torch.zeros(0, bq, bkv, dtype=torch.bool)
+    return torch.cat(out) if out else torch.zeros(0, bq, bkv, dtype=torch.bool, device=device)
 
 
 def _block_kinds(block_mask, rows: int, cols: int) -> torch.Tensor:
-    """(B', H', rows, cols) int8 from torch's ordered tables: 0 skipped, 1 partial (mask_mod
-    applies), 2 full."""
+    """(B', H', rows, cols) int8 from torch's ordered tables, on their device: 0 skipped, 1 partial
+    (mask_mod applies), 2 full."""
 
     def dense(num_blocks, indices):
-        listed = torch.arange(indices.shape[-1]) < num_blocks[..., None].cpu()
-        target = torch.where(listed, indices.cpu().long(), cols)  # unlisted: a column past the end
-        table = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.int8)
-        return table.scatter_(-1, target, 1)[..., :cols]
+        listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+        target = torch.where(listed, indices.long(), cols)  # unlisted: a column past the end
+        table = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.int8, device=indices.device)
+        return table.scatter(-1, target, torch.ones_like(target, dtype=torch.int8))[..., :cols]
 
     kinds = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
     if block_mask.full_kv_num_blocks is not None:
@@ -115,10 +126,16 @@ def _block_kinds(block_mask, rows: int, cols: int) -> torch.Tensor:
 
 
 def _head_mask(mask_mod, b: int, h: int, kinds: torch.Tensor, shape, block_shape, device) -> BlockSparseMask:
-    """One (b, h)'s mask: torch's block kinds, its partial blocks evaluated on `device` (where the
-    mask_mod's captured tensors live)."""
+    """One (b, h)'s mask: torch's block kinds (CPU), its partial blocks evaluated on `device`
+    (where the mask_mod's captured tensors live)."""
     rows, cols = torch.nonzero(kinds == 1, as_tuple=True)
     blocks = _evaluate_blocks(mask_mod, b, h, rows.to(device), cols.to(device), shape, block_shape)
+    return _stored_mask(kinds, rows, cols, blocks.cpu(), shape, block_shape)
+
+
+def _stored_mask(kinds, rows, cols, blocks, shape, block_shape) -> BlockSparseMask:
+    """A mask from torch's block kinds (rows, cols) int8 and its partial blocks evaluated (block
+    (rows[i], cols[i]) is blocks[i]), all on the CPU."""
     kinds = kinds.clone()
     # a partial block whose elements all hold (or none) is full (or skipped)
     some, every = blocks.flatten(1).any(1), blocks.flatten(1).all(1)
@@ -193,26 +210,43 @@ def _check_block_mask(block_mask, batch: int, heads: int, q_len: int, kv_len: in
 
 
 def _convert(block_mask, reads: tuple, batch: int, heads: int, q_len: int, kv_len: int) -> list:
-    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
     block_shape = tuple(int(n) for n in block_mask.BLOCK_SIZE)
     rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
-    kinds = _block_kinds(block_mask, rows, cols)
+    kinds = _block_kinds(block_mask, rows, cols).cpu()
+    keys, assign = _evaluation_keys(*reads[:2], *kinds.shape[:2], batch, heads)
     device = block_mask.kv_num_blocks.device
-    # A mask_mod that never reads b (or h) is evaluated once for every batch element (head).
-    reads_b, reads_h, *_ = reads
-    masks, seen, evaluated = [], {}, {}
+    masks = [
+        _head_mask(block_mask.mask_mod, b, h, kinds[tb, th], (q_len, kv_len), block_shape, device)
+        for b, h, tb, th in keys
+    ]
+    return _per_batch(masks, assign)
+
+
+def _evaluation_keys(reads_b: bool, reads_h: bool, mask_batch: int, mask_heads: int, batch: int, heads: int):
+    """Where a BlockMask's mask_mod is evaluated for a (batch, heads) call: the distinct (b, h it
+    is evaluated at, b, h of torch's tables), and for each batch element and head the index of its
+    own. A mask_mod that never reads b (or h) is evaluated once for every batch element (head)."""
+    keys, assign = {}, []
     for b in range(batch):
-        per_head = []
+        row = []
         for h in range(heads):
             key = (b if reads_b else 0, h if reads_h else 0, b if mask_batch > 1 else 0, h if mask_heads > 1 else 0)
-            if key not in evaluated:
-                table = kinds[key[2], key[3]]
-                mask = _head_mask(block_mask.mask_mod, *key[:2], table, (q_len, kv_len), block_shape, device)
-                evaluated[key] = seen.setdefault(mask, mask)  # one object per distinct mask
-            per_head.append(evaluated[key])
+            row.append(keys.setdefault(key, len(keys)))
+        assign.append(tuple(row))
+    return tuple(keys), tuple(assign)
+
+
+def _per_batch(masks: list, assign: tuple) -> list:
+    """One mask per batch element (a MultiHeadMask where its heads differ) from the masks evaluated
+    and each (b, h)'s index among them; equal masks become one object."""
+    seen = {}
+    masks = [seen.setdefault(m, m) for m in masks]
+    out = []
+    for row in assign:
+        per_head = [masks[i] for i in row]
         mask = per_head[0] if all(m is per_head[0] for m in per_head) else MultiHeadMask(tuple(per_head))
-        masks.append(seen.setdefault(mask, mask))
-    return masks
+        out.append(seen.setdefault(mask, mask))
+    return out
 
 
 # torch's kernel options that tune its own kernels or promise what splash does not rely on: accepted
@@ -261,6 +295,12 @@ def _check_options(score_mod, kernel_options, return_lse, return_aux):
         raise SplashConstraintError("return_aux=AuxRequest(max_scores=True): splash returns the logsumexp only.")
 
 
+_LSE_GRADIENT = (
+    "a gradient reached the logsumexp torch_splash.flex_attention returned: splash's backward kernels "
+    "do not take one. Detach the logsumexp (lse.detach()) where it enters the loss."
+)
+
+
 class _LseWithoutGradient(torch.autograd.Function):
     """The returned logsumexp, which torch's flex_attention differentiates and splash cannot: a
     gradient reaching it is an error, never dropped silently."""
@@ -272,10 +312,7 @@ class _LseWithoutGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is not None and bool(grad.ne(0).any()):
-            raise SplashConstraintError(
-                "a gradient reached the logsumexp torch_splash.flex_attention returned: splash's backward "
-                "kernels do not take one. Detach the logsumexp (lse.detach()) where it enters the loss."
-            )
+            raise SplashConstraintError(_LSE_GRADIENT)
         return (None,) * (1 + ctx.inputs)
 
     @staticmethod
@@ -283,7 +320,213 @@ class _LseWithoutGradient(torch.autograd.Function):
         ctx.inputs = len(inputs) - 1
 
 
-@torch.compiler.disable
+# Under torch.compile the BlockMask is data of the graph, not an object this module can read: it is
+# converted inside the graph. Torch's tables become block kinds; the partial blocks (how many is
+# data: `partial_blocks`, a size Dynamo leaves unknown) are evaluated with the mask_mod, traced by
+# Dynamo; and the `flex_forward` / `flex_backward` ops build the masks from those tensors where
+# they run, then call the kernels as an eager call does. A new packing of documents is new data for
+# the same graph.
+
+
+@_compat.constant_while_tracing
+def _reads(mask_mod, device) -> tuple[bool, bool]:
+    """Whether a mask_mod reads b and h, decided while Dynamo traces (every mask_mod of the same
+    code and captured functions reads the same)."""
+    reads, _, _ = _compat.mask_mod_trace(mask_mod, device)
+    return reads[0], reads[1]
+
+
+@_compat.constant_while_tracing
+def _call_text(assign: tuple, shape: tuple, block_shape: tuple, scale, cap) -> str:
+    return json.dumps(dict(assign=assign, shape=shape, block_shape=block_shape, scale=scale, soft_cap=cap))
+
+
+@functools.lru_cache(maxsize=policy.PLAN_TEXTS)
+def _read_call(text: str) -> dict:
+    call = json.loads(text)
+    call["assign"] = tuple(tuple(row) for row in call["assign"])
+    return call
+
+
+def _traced(query, key, value, block_mask, scale, cap):
+    """What flex_attention runs under torch.compile: (out, lse)."""
+    batch, heads, q_len, _ = _checks.static_shape(query)
+    kv_len = _checks.static_shape(key)[2]
+    if block_mask is None:
+        table = where = blocks = None
+        assign, block_shape = ((0,) * heads,) * batch, (q_len, kv_len)
+    else:
+        table, where, blocks, assign = graph_tables(block_mask, batch, heads)
+        block_shape = tuple(int(n) for n in block_mask.BLOCK_SIZE)
+    text = _call_text(assign, (q_len, kv_len), block_shape, scale, cap)
+    return flex_forward(query, key, value, table, where, blocks, text)
+
+
+def graph_tables(block_mask, batch: int, heads: int):
+    """A BlockMask as the compiled path's graph computes it for a (batch, heads) call: the block
+    kinds of each (b, h) evaluated (K, rows, cols) int8, `partial_blocks` of them, those blocks
+    evaluated (n + 1, bq, bkv) bool (the stand-in's included), and for each batch element and head
+    the index of its own among the K."""
+    (q_len, kv_len), block_shape = block_mask.seq_lengths, tuple(int(n) for n in block_mask.BLOCK_SIZE)
+    rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
+    kinds = _block_kinds(block_mask, rows, cols)
+    reads = _reads(block_mask.mask_mod, block_mask.kv_num_blocks.device)
+    keys, assign = _evaluation_keys(*reads, *_checks.static_shape(kinds)[:2], batch, heads)
+    table = torch.stack([kinds[tb, th] for _, _, tb, th in keys])
+    where = partial_blocks(table)
+    b = torch.tensor([key[0] for key in keys], device=where.device)[where[:, 0]]
+    h = torch.tensor([key[1] for key in keys], device=where.device)[where[:, 0]]
+    blocks = _evaluate_blocks(block_mask.mask_mod, b, h, where[:, 1], where[:, 2], (q_len, kv_len), block_shape)
+    return table, where, blocks, assign
+
+
+@torch.library.custom_op("torch_splash::partial_blocks", mutates_args=())
+def partial_blocks(kinds: torch.Tensor) -> torch.Tensor:
+    """(n + 1, 3) int64: (table, row, column) of each partial block (kind 1) of the (K, rows, cols)
+    block kinds, then one stand-in (0, 0, 0) that the masks leave out: the count is data, and
+    tracing takes it as at least 1."""
+    return torch.cat([torch.nonzero(kinds == 1), kinds.new_zeros((1, 3), dtype=torch.int64)])
+
+
+@partial_blocks.register_fake
+def _(kinds):
+    return kinds.new_empty((_compat.dynamic_size(1), 3), dtype=torch.int64)
+
+
+def graph_masks(table, where, blocks, assign: tuple, shape: tuple, block_shape: tuple) -> list:
+    """One mask per batch element from `graph_tables`' tensors, where the compiled path's ops run;
+    kept by content (`_GRAPH_MASKS`)."""
+    key = _content_key(repr((assign, shape, block_shape)), (table, where, blocks))
+    masks = _GRAPH_MASKS.get(key)
+    if masks is None:
+        masks = _GRAPH_MASKS[key] = _built_masks(table, where, blocks, assign, shape, block_shape)
+        while len(_GRAPH_MASKS) > policy.FLEX_MASKS:
+            _GRAPH_MASKS.popitem(last=False)
+    _GRAPH_MASKS.move_to_end(key)
+    return masks
+
+
+# The masks built last, by the content of the tensors they were built from. Every layer that passes
+# one BlockMask, and the backward, gives its op equal tensors (often the very same ones: AOTAutograd
+# merges common subexpressions, though not always the evaluated blocks), and building the masks
+# costs 0.17 s at 128K tokens, where their key costs 0.02 s.
+_GRAPH_MASKS: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+
+
+def _content_key(text: str, tensors) -> bytes:
+    digest = hashlib.blake2b(text.encode())
+    for t in tensors:
+        array = t.cpu().numpy()
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(np.packbits(array) if array.dtype == bool else array.tobytes())
+    return digest.digest()
+
+
+def _built_masks(table, where, blocks, assign: tuple, shape: tuple, block_shape: tuple) -> list:
+    table, where, blocks = table.cpu(), where[:-1].cpu(), blocks[:-1].cpu()  # without the stand-in
+    masks = []
+    for k in range(table.shape[0]):
+        own = where[:, 0] == k
+        masks.append(_stored_mask(table[k], where[own, 1], where[own, 2], blocks[own], shape, block_shape))
+    return _per_batch(masks, assign)
+
+
+def _masks_of(table, where, blocks, call: str) -> list:
+    """One mask per batch element (None: every key) for a call of the compiled path's ops."""
+    options = _read_call(call)
+    if table is None:
+        return [None] * len(options["assign"])
+    return graph_masks(table, where, blocks, options["assign"], tuple(options["shape"]), tuple(options["block_shape"]))
+
+
+@torch.library.custom_op("torch_splash::flex_forward", mutates_args=())
+def flex_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    table: torch.Tensor | None,
+    where: torch.Tensor | None,
+    blocks: torch.Tensor | None,
+    call: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention's output and logsumexp (torch's convention) for the masks these tensors make."""
+    options = _read_call(call)
+    masks = _masks_of(table, where, blocks, call)
+    kwargs = dict(scale=options["scale"], soft_cap=options["soft_cap"], return_lse=True)
+    return tuple(t.contiguous() for t in _attend(query, key, value, masks, kwargs))  # as the fake
+
+
+@flex_forward.register_fake
+def _(query, key, value, table, where, blocks, call):
+    return query.new_empty(query.shape[:-1] + value.shape[-1:]), query.new_empty(query.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torch_splash::flex_backward", mutates_args=())
+def flex_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_out: torch.Tensor,
+    d_lse: torch.Tensor | None,
+    table: torch.Tensor | None,
+    where: torch.Tensor | None,
+    blocks: torch.Tensor | None,
+    call: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of flex_forward from its outputs, by the dq/dkv kernels."""
+    if d_lse is not None and bool(d_lse.ne(0).any()):
+        raise SplashConstraintError(_LSE_GRADIENT)
+    options = _read_call(call)
+    masks = _masks_of(table, where, blocks, call)
+    kwargs = dict(scale=options["scale"], soft_cap=options["soft_cap"])
+    if all(m is masks[0] for m in masks):
+        return tuple(t.contiguous() for t in attention_backward(query, key, value, masks[0], out, lse, d_out, **kwargs))
+    parts = [
+        attention_backward(
+            *(t[b : b + 1] for t in (query, key, value)), masks[b], *(t[b : b + 1] for t in (out, lse, d_out)), **kwargs
+        )
+        for b in range(len(masks))
+    ]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+@flex_backward.register_fake
+def _(query, key, value, out, lse, d_out, d_lse, table, where, blocks, call):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
+
+
+def _save_for_backward(ctx, inputs, output):
+    query, key, value, table, where, blocks, call = inputs
+    ctx.call, ctx.table = call, table is not None
+    ctx.save_for_backward(query, key, value, *output, *((table, where, blocks) if ctx.table else ()))
+
+
+def _flex_gradients(ctx, d_out, d_lse):
+    if torch.is_grad_enabled():  # create_graph=True
+        raise SplashConstraintError(
+            "torch_splash.flex_attention supports one backward pass, not double backward "
+            "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
+        )
+    query, key, value, out, lse, *mask = ctx.saved_tensors
+    dq, dk, dv = flex_backward(query, key, value, out, lse, d_out, d_lse, *(mask or (None,) * 3), ctx.call)
+    return dq, dk, dv, None, None, None, None
+
+
+flex_forward.register_autograd(_flex_gradients, setup_context=_save_for_backward)
+
+
+def _attend(query, key, value, masks: list, options: dict):
+    """`attention` with one mask per batch element (None: every key), as flex_attention's result."""
+    if all(m is masks[0] for m in masks):
+        return attention(query, key, value, masks[0], **options)
+    parts = [
+        attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[b], **options) for b in range(len(masks))
+    ]
+    return tuple(torch.cat(p) for p in zip(*parts)) if options.get("return_lse") else torch.cat(parts)
+
+
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -333,21 +576,24 @@ def flex_attention(
         raise SplashConstraintError(
             f"query has {heads} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention."
         )
-    masks = [None] * batch if block_mask is None else block_mask_masks(block_mask, batch, heads, q_len, key.shape[2])
     want_lse = return_lse or (return_aux is not None and return_aux.lse)
-    options = dict(scale=scale, soft_cap=None if score_mod is None else score_mod.cap, return_lse=want_lse)
-    if all(m is masks[0] for m in masks):
-        result = attention(query, key, value, masks[0], **options)
-    else:  # a mask per batch element
-        parts = [
-            attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[b], **options) for b in range(batch)
-        ]
-        result = tuple(torch.cat(p) for p in zip(*parts)) if want_lse else torch.cat(parts)
+    cap = None if score_mod is None else score_mod.cap
+    if torch.compiler.is_compiling():
+        if block_mask is not None:
+            _check_block_mask(block_mask, batch, heads, q_len, key.shape[2])
+        out, lse = _traced(query, key, value, block_mask, scale, cap)
+    else:
+        masks = (
+            [None] * batch if block_mask is None else block_mask_masks(block_mask, batch, heads, q_len, key.shape[2])
+        )
+        result = _attend(query, key, value, masks, dict(scale=scale, soft_cap=cap, return_lse=want_lse))
+        if not want_lse:
+            return (result, _torch_flex.AuxOutput()) if return_aux is not None else result
+        out, lse = result
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            lse = _LseWithoutGradient.apply(lse, query, key, value)
     if not want_lse:
-        return (result, _torch_flex.AuxOutput()) if return_aux is not None else result
-    out, lse = result
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        lse = _LseWithoutGradient.apply(lse, query, key, value)
+        return (out, _torch_flex.AuxOutput()) if return_aux is not None else out
     return (out, _torch_flex.AuxOutput(lse=lse)) if return_aux is not None else (out, lse)
 
 
