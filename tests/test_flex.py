@@ -117,23 +117,15 @@ def _torch_forward(q, k, v, block_mask, score_mod):
     return out, aux.lse
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name):
-    """float32: output and logsumexp against torch's flex_attention and a float64 reference;
-    gradients against the reference, within the float32 tolerances attention's tests use."""
-    case = CASES[name]
-    (hq, hkv), q_len, kv_len = case[3], case[4], case[5]
-    q, k, v = make_qkv(2, hq, hkv, q_len, kv_len, 32, 32, torch.float32)
-    block_mask, d_out = _block_mask(case), torch.randn(2, hq, q_len, 32)
-    got = _splash(q, k, v, block_mask, case[6], d_out)
-    exact = _reference(q, k, v, block_mask, case[6], d_out)
-    theirs = _torch_forward(q, k, v, block_mask, case[6])
+def _assert_close_to_exact(got, exact, lse=True):
+    """(out, lse, grads) against the float64 reference's, within the float32 tolerances attention's
+    tests use (the logsumexp as exact as the output)."""
     (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
-    for want in (theirs, (exact[0].float(), exact[1].float())):
-        torch.testing.assert_close(got[0], want[0], atol=oa, rtol=orr)
-        torch.testing.assert_close(got[1], want[1], atol=oa, rtol=orr)  # logsumexp: as exact as the output
-    for name_, mine, ref in zip("qkv", got[2], exact[2]):
-        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
+    torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
+    if lse:
+        torch.testing.assert_close(got[1], exact[1].float(), atol=oa, rtol=orr)
+    for name, mine, ref in zip("qkv", got[2], exact[2]):
+        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def _compiled_flex(backend="aot_eager"):
@@ -141,24 +133,22 @@ def _compiled_flex(backend="aot_eager"):
     return torch.compile(torch_splash.flex_attention, fullgraph=True, backend=backend)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fullgraph"])
 @pytest.mark.parametrize("name", CASES)
-def test_torch_compile_fullgraph_traces_flex_attention(name):
-    """Under torch.compile(fullgraph=True) the BlockMask is converted inside the graph (Dynamo
-    traces its mask_mod): output, logsumexp and gradients against torch's flex_attention and the
-    float64 reference, as the eager test above."""
+def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name, compiled):
+    """float32: output and logsumexp against torch's flex_attention and a float64 reference;
+    gradients against the reference. fullgraph: under torch.compile(fullgraph=True), where the
+    BlockMask is converted inside the graph (Dynamo traces its mask_mod)."""
     case = CASES[name]
     (hq, hkv), q_len, kv_len = case[3], case[4], case[5]
     q, k, v = make_qkv(2, hq, hkv, q_len, kv_len, 32, 32, torch.float32)
     block_mask, d_out = _block_mask(case), torch.randn(2, hq, q_len, 32)
-    got = _splash(q, k, v, block_mask, case[6], d_out, flex=_compiled_flex())
-    exact = _reference(q, k, v, block_mask, case[6], d_out)
+    got = _splash(q, k, v, block_mask, case[6], d_out, **(dict(flex=_compiled_flex()) if compiled else {}))
+    _assert_close_to_exact(got, _reference(q, k, v, block_mask, case[6], d_out))
     theirs = _torch_forward(q, k, v, block_mask, case[6])
-    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
-    for want in (theirs, (exact[0].float(), exact[1].float())):
-        torch.testing.assert_close(got[0], want[0], atol=oa, rtol=orr)
-        torch.testing.assert_close(got[1], want[1], atol=oa, rtol=orr)
-    for name_, mine, ref in zip("qkv", got[2], exact[2]):
-        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr, msg=lambda m, n=name_: f"d{n}: {m}")
+    (oa, orr) = TOL[torch.float32]["out"]
+    torch.testing.assert_close(got[0], theirs[0], atol=oa, rtol=orr)
+    torch.testing.assert_close(got[1], theirs[1], atol=oa, rtol=orr)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] is not None])
@@ -181,11 +171,7 @@ def test_torch_compile_fullgraph_with_inductor():
     block_mask, d_out = _block_mask(case), torch.randn(2, 4, 300, 32)
     got = _splash(q, k, v, block_mask, None, d_out, flex=_compiled_flex("inductor"))
     exact = _reference(q, k, v, block_mask, None, d_out)
-    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
-    torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
-    torch.testing.assert_close(got[1], exact[1].float(), atol=oa, rtol=orr)
-    for mine, ref in zip(got[2], exact[2]):
-        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+    _assert_close_to_exact(got, exact)
 
 
 def test_under_torch_compile_documents_packed_anew_reuse_the_graph():
@@ -198,14 +184,10 @@ def test_under_torch_compile_documents_packed_anew_reuse_the_graph():
     flex = torch.compile(torch_splash.flex_attention, fullgraph=True, backend=counter)
     q, k, v = make_qkv(2, 4, 2, 300, 300, 32, 32, torch.float32)
     d_out = torch.randn(2, 4, 300, 32)
-    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
     for lengths in ([[100, 60, 140], [37, 263]], [[300], [150, 150]], [[10, 290], [299, 1]]):
         block_mask = create_block_mask(documents(lengths, 300), 2, None, 300, 300, device="cpu")
         got = _splash(q, k, v, block_mask, None, d_out, flex=flex)
-        exact = _reference(q, k, v, block_mask, None, d_out)
-        torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
-        for mine, ref in zip(got[2], exact[2]):
-            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+        _assert_close_to_exact(got, _reference(q, k, v, block_mask, None, d_out))
     assert counter.frame_count == 1
 
 
@@ -217,16 +199,12 @@ def test_under_torch_compile_each_sequence_length_compiles_its_own_graph():
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     flex = torch.compile(torch_splash.flex_attention, fullgraph=True, backend=counter)
-    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
     for length in (200, 260, 330):
         q, k, v = make_qkv(1, 2, 2, length, length, 32, 32, torch.float32)
         block_mask = create_block_mask(sliding_window(48), None, None, length, length, device="cpu")
         d_out = torch.randn(1, 2, length, 32)
         got = _splash(q, k, v, block_mask, None, d_out, flex=flex)
-        exact = _reference(q, k, v, block_mask, None, d_out)
-        torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
-        for mine, ref in zip(got[2], exact[2]):
-            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+        _assert_close_to_exact(got, _reference(q, k, v, block_mask, None, d_out))
     assert counter.frame_count == 3
 
 
@@ -258,10 +236,7 @@ def test_under_torch_compile_the_layers_passing_one_block_mask_build_its_masks_o
         exact_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
         exact = two_layers(lambda *a, block_mask: reference(*a, block_mask)[0], *exact_inputs, block_mask)
         exact_grads = torch.autograd.grad(exact.sum(), exact_inputs)
-        (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
-        torch.testing.assert_close(out, exact.float(), atol=oa, rtol=orr)
-        for mine, ref in zip(grads, exact_grads):
-            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+        _assert_close_to_exact((out, None, grads), (exact, None, exact_grads), lse=False)
 
 
 def test_under_torch_compile_a_gradient_through_the_logsumexp_is_an_error_not_dropped():
@@ -299,11 +274,7 @@ def test_any_block_size_of_the_block_mask(block_size):
     d_out = torch.randn(2, 2, 230, 32)
     got = _splash(q, k, v, block_mask, None, d_out)
     exact = _reference(q, k, v, block_mask, None, d_out)
-    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
-    torch.testing.assert_close(got[0], exact[0].float(), atol=oa, rtol=orr)
-    torch.testing.assert_close(got[1], exact[1].float(), atol=oa, rtol=orr)
-    for mine, ref in zip(got[2], exact[2]):
-        torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
+    _assert_close_to_exact(got, exact)
 
 
 def test_bf16_is_as_close_to_a_float64_reference_as_torch_s_own():
@@ -407,11 +378,9 @@ def test_documents_packed_anew_run_the_program_already_compiled():
         before = sum(torch_splash_jax.TRACES.values())
         got = _splash(q, k, v, block_mask, None, d_out)
         traces.append(sum(torch_splash_jax.TRACES.values()) - before)
-        exact = _reference(q, k, v, block_mask, None, d_out)
-        (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+        _assert_close_to_exact(got, _reference(q, k, v, block_mask, None, d_out))
+        (oa, orr) = TOL[torch.float32]["out"]
         torch.testing.assert_close(got[0], _torch_forward(q, k, v, block_mask, None)[0], atol=oa, rtol=orr)
-        for mine, ref in zip(got[2], exact[2]):
-            torch.testing.assert_close(mine, ref.float(), atol=ga, rtol=gr)
     assert traces[1] == 0, traces
 
 

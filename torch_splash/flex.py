@@ -431,12 +431,15 @@ def _built_masks(table, where, blocks, assign: tuple, shape: tuple, block_shape:
     return _per_batch(masks, assign)
 
 
-def _masks_of(table, where, blocks, call: str) -> list:
-    """One mask per batch element (None: every key) for a call of the compiled path's ops."""
+def _masks_of(table, where, blocks, call: str) -> tuple[list, dict]:
+    """For a call of the compiled path's ops: one mask per batch element (None: every key), and
+    the options of `attention`."""
     options = _read_call(call)
+    kwargs = dict(scale=options["scale"], soft_cap=options["soft_cap"])
     if table is None:
-        return [None] * len(options["assign"])
-    return graph_masks(table, where, blocks, options["assign"], tuple(options["shape"]), tuple(options["block_shape"]))
+        return [None] * len(options["assign"]), kwargs
+    shape, block_shape = tuple(options["shape"]), tuple(options["block_shape"])
+    return graph_masks(table, where, blocks, options["assign"], shape, block_shape), kwargs
 
 
 @torch.library.custom_op("torch_splash::flex_forward", mutates_args=())
@@ -450,10 +453,9 @@ def flex_forward(
     call: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flex_attention's output and logsumexp (torch's convention) for the masks these tensors make."""
-    options = _read_call(call)
-    masks = _masks_of(table, where, blocks, call)
-    kwargs = dict(scale=options["scale"], soft_cap=options["soft_cap"], return_lse=True)
-    return tuple(t.contiguous() for t in _attend(query, key, value, masks, kwargs))  # as the fake
+    masks, kwargs = _masks_of(table, where, blocks, call)
+    out, lse = _attend(query, key, value, masks, dict(kwargs, return_lse=True))
+    return out.contiguous(), lse.contiguous()  # as the fake
 
 
 @flex_forward.register_fake
@@ -478,9 +480,7 @@ def flex_backward(
     """dq, dk, dv of flex_forward from its outputs, by the dq/dkv kernels."""
     if d_lse is not None and bool(d_lse.ne(0).any()):
         raise SplashConstraintError(_LSE_GRADIENT)
-    options = _read_call(call)
-    masks = _masks_of(table, where, blocks, call)
-    kwargs = dict(scale=options["scale"], soft_cap=options["soft_cap"])
+    masks, kwargs = _masks_of(table, where, blocks, call)
     if all(m is masks[0] for m in masks):
         return tuple(t.contiguous() for t in attention_backward(query, key, value, masks[0], out, lse, d_out, **kwargs))
     parts = [
