@@ -11,10 +11,13 @@ CPU time against torch's own flex_attention.
 3. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
    lengths; the second call, so its compile is not counted), turning its BlockMask into splash
    masks (`torch_splash.flex.block_mask_masks`), building the TPU plan's block tables
-   (`torch_splash_jax.program`, tables only: its functions are jitted on first call), and both
-   again for the next layer, which passes the same BlockMask.
+   (`torch_splash_jax.program`, tables only: its functions are jitted on first call), both again
+   for the next layer, which passes the same BlockMask, and what the first and the next layer
+   under torch.compile convert (`graph_tables` run eagerly, as the aot_eager backend runs them, in
+   every layer; then `graph_masks`, which the next layer finds kept, and the tables).
 4. CPU time of a forward and backward: torch's flex_attention eager and compiled, and
-   torch_splash.flex_attention (interpret-mode kernels), as ratios to torch's eager.
+   torch_splash.flex_attention (interpret-mode kernels) eager and under
+   torch.compile(fullgraph=True), as ratios to torch's eager.
 
     ./dev.sh bench-flex            # 1 to 3 at L = 8K to 128K, 4 at L = 1K and 2K
     ./dev.sh bench-flex --quick    # 8K only (2 new packings), 4 at L = 256 (the test suite runs this)
@@ -120,7 +123,7 @@ def host_cost(length: int) -> dict:
     """Seconds of create_block_mask, of turning its BlockMask into splash masks, of the TPU plan's
     block tables, and of both again for the next layer that passes the same BlockMask."""
     import torch_splash_jax
-    from torch_splash.flex import block_mask_masks
+    from torch_splash.flex import block_mask_masks, graph_masks, graph_tables
     from torch_splash_jax.plan import plan
 
     block_mask(length)  # create_block_mask compiles for this length first
@@ -151,11 +154,21 @@ def host_cost(length: int) -> dict:
     start = time.perf_counter()
     tables_of(*block_mask_masks(mask, 1, HEADS, length, length))
     next_layer = time.perf_counter() - start
+
+    def compiled_layer() -> float:
+        start = time.perf_counter()
+        table, where, blocks, assign = graph_tables(mask, 1, HEADS)
+        tables_of(*graph_masks(table, where, blocks, assign, (length, length), tuple(mask.BLOCK_SIZE)))
+        return time.perf_counter() - start
+
+    compiled_first, compiled_next = compiled_layer(), compiled_layer()
     return dict(
         create_block_mask_s=round(create, 3),
         to_masks_s=round(convert, 3),
         tables_s=round(tables, 3),
         next_layer_s=round(next_layer, 4),
+        compiled_layer_s=round(compiled_first, 3),
+        compiled_next_layer_s=round(compiled_next, 3),
         partial_blocks=int((spec.kinds == 1).sum()),
         full_blocks=int((spec.kinds == 2).sum()),
         blocks=int(spec.kinds.size),
@@ -191,9 +204,15 @@ def cpu_time(length: int, repeats: int) -> dict:
             samples.append(time.perf_counter() - start)
         return round(statistics.median(samples[1:]), 4)
 
-    implementations = {"torch_eager": torch_flex, "torch_compiled": compiled, "splash": torch_splash.flex_attention}
+    implementations = {
+        "torch_eager": torch_flex,
+        "torch_compiled": compiled,
+        "splash": torch_splash.flex_attention,
+        "splash_compiled": torch.compile(torch_splash.flex_attention, fullgraph=True),
+    }
     times = {f"forward_{name}": median_seconds(fn, False) for name, fn in implementations.items()}
-    times |= {f"training_{name}": median_seconds(implementations[name], True) for name in ("torch_eager", "splash")}
+    trained = ("torch_eager", "splash", "splash_compiled")
+    times |= {f"training_{name}": median_seconds(implementations[name], True) for name in trained}
     return times
 
 

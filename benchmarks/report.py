@@ -195,6 +195,15 @@ def _packed_anew(found: dict | None) -> str:
     return f"{found['new_graphs']} of {found['packings']}, {found['build_s']:.2f} s"
 
 
+def _first_next(row: dict) -> str:
+    first, next_ = row.get("compiled_layer_s"), row.get("compiled_next_layer_s")
+    return "" if first is None or next_ is None else f"{first:.2f} s / {next_:.2f} s"
+
+
+def _ratio(value, base: float) -> str:
+    return "" if value is None else f"{value:.3f} s ({value / base:.2f}x)"
+
+
 def _flex(r: dict) -> str:
     shape = r["shape"]
     lines = [
@@ -203,16 +212,18 @@ def _flex(r: dict) -> str:
         "arguments + outputs + temporaries. Host: seconds on this machine's CPU.",
         "",
         "| L | blocks of 128 (partial / full / all) | create_block_mask | to splash masks | TPU block tables "
-        "| (masks + tables) / create_block_mask | the next layer's masks + tables | HBM, torch_splash.flex_attention "
+        "| (masks + tables) / create_block_mask | the next layer's masks + tables "
+        "| under torch.compile, graph tables + masks + tables: first layer / next | HBM, torch_splash.flex_attention "
         "| HBM, dense bias + SDPA | documents packed anew: graphs not seen before, host seconds per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         ours = row["to_masks_s"] + row["tables_s"]
         lines.append(
             f"| {row['L'] // 1024}K | {row['partial_blocks']} / {row['full_blocks']} / {row['blocks']} "
             f"| {row['create_block_mask_s']:.2f} s | {row['to_masks_s']:.2f} s | {row['tables_s']:.2f} s "
-            f"| {ours / row['create_block_mask_s']:.2f} | {row['next_layer_s'] * 1e3:.0f} ms | {_gib(row['splash'])} "
+            f"| {ours / row['create_block_mask_s']:.2f} | {row['next_layer_s'] * 1e3:.0f} ms "
+            f"| {_first_next(row)} | {_gib(row['splash'])} "
             f"| {_gib(row['dense'])} | {_packed_anew(row.get('packed_anew'))} |"
         )
     lines += [
@@ -220,8 +231,9 @@ def _flex(r: dict) -> str:
         "CPU (B=1, 4/2 heads, D=64, f32, document-causal), median seconds and the ratio to torch's eager "
         "flex_attention; torch's compiled flex_attention has no backward on the CPU:",
         "",
-        "| L | pass | torch eager | torch compiled | torch_splash (interpret-mode kernels) |",
-        "|---|---|---|---|---|",
+        "| L | pass | torch eager | torch compiled | torch_splash (interpret-mode kernels) "
+        "| torch_splash under torch.compile(fullgraph=True) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in r["cpu"]:
         for step in ("forward", "training"):
@@ -230,7 +242,8 @@ def _flex(r: dict) -> str:
             lines.append(
                 f"| {row['L']} | {'forward' if step == 'forward' else 'forward + backward'} | {base:.3f} s "
                 f"| {'' if compiled is None else f'{compiled:.3f} s ({compiled / base:.2f}x)'} "
-                f"| {row[f'{step}_splash']:.3f} s ({row[f'{step}_splash'] / base:.2f}x) |"
+                f"| {row[f'{step}_splash']:.3f} s ({row[f'{step}_splash'] / base:.2f}x) "
+                f"| {_ratio(row.get(f'{step}_splash_compiled'), base)} |"
             )
     return "\n".join(lines)
 
@@ -599,8 +612,9 @@ SECTIONS = {
         "SDPA that TorchTPU's flex_attention patch runs, in a torch_xla step compiled for one v5e chip; the "
         "host's cost of turning the BlockMask into splash's block tables beside create_block_mask's own "
         "(torch.compile'd, compile not counted), and again for the next layer that passes the same BlockMask "
-        "(its masks are kept while its tensors and those its mask_mod reads are unchanged); and CPU time "
-        "against torch's flex_attention.",
+        "(its masks are kept while its tensors and those its mask_mod reads are unchanged; under torch.compile "
+        "each layer evaluates its partial blocks in the graph, and the masks built from them are kept by "
+        "content); and CPU time against torch's flex_attention.",
         _flex,
     ),
     "tpu_memory": (
