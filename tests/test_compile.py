@@ -122,6 +122,19 @@ def test_each_sequence_length_compiles_its_own_graph(dynamic):
     assert counter.frame_count == 3  # the repeated length runs its graph again
 
 
+def test_a_scale_or_soft_cap_that_changes_between_calls():
+    """Floats passed in become symbolic when they change (Dynamo): they are specialised, so each
+    value gives its own graph and its own result, never a stale one."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32))
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda q, k, v, s, c: torch_splash.attention(q, k, v, "causal", scale=s, soft_cap=c), fullgraph=True
+    )
+    for scale, cap in ((0.1, 2.0), (0.2, 2.0), (0.3, 3.0), (0.1, 2.0)):
+        want = torch_splash.attention(q, k, v, "causal", scale=scale, soft_cap=cap)
+        torch.testing.assert_close(fn(q, k, v, scale, cap), want, atol=1e-6, rtol=0)
+
+
 def test_compiled_inference_matches_eager():
     q, k, v = (t.detach() for t in make_qkv(2, 4, 1, 50, 70, 32, 16, torch.float32))
     mask = CausalMask(20)

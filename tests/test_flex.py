@@ -239,6 +239,26 @@ def test_under_torch_compile_the_layers_passing_one_block_mask_build_its_masks_o
         _assert_close_to_exact((out, None, grads), (exact, None, exact_grads), lse=False)
 
 
+def test_under_torch_compile_another_block_size_scale_or_cap_is_another_graph():
+    """A BlockMask of another BLOCK_SIZE over the same lengths (tables of the same shapes), and
+    another scale or soft cap: Dynamo makes the changed numbers symbolic, and they are specialised,
+    so each gives its own graph and its own result, never a stale one."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 250, 250, 32, 32, torch.float32))
+    flex = _compiled_flex()
+    for block_size, scale, cap in (
+        (128, 0.1, 2.0),
+        (200, 0.1, 2.0),
+        (200, 0.2, 2.0),
+        (200, 0.2, 3.0),
+        (128, 0.1, None),
+    ):
+        block_mask = create_block_mask(sliding_window(30), None, None, 250, 250, device="cpu", BLOCK_SIZE=block_size)
+        score_mod = None if cap is None else torch_splash.soft_cap(cap)
+        got = flex(q, k, v, block_mask=block_mask, scale=scale, score_mod=score_mod)
+        want = torch_splash.flex_attention(q, k, v, block_mask=block_mask, scale=scale, score_mod=score_mod)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 def test_under_torch_compile_a_gradient_through_the_logsumexp_is_an_error_not_dropped():
     q, k, v = make_qkv(1, 2, 2, 130, 130, 32, 32, torch.float32)
     flex = _compiled_flex()

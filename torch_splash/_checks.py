@@ -227,10 +227,23 @@ def dtype_name(t: torch.Tensor) -> str:
     return _DTYPES[t.dtype]
 
 
-def static_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """t's sizes as ints. Under torch.compile a graph holds the plan of one shape (block sizes,
+def static_ints(*values) -> tuple[int, ...]:
+    """The values as ints. Under torch.compile a graph holds the plan of one shape (block sizes,
     padding and tables come from sizes), so a size Dynamo made symbolic (automatic dynamic shapes
-    after a second shape, or dynamic=True) is specialised here, with a guard: a graph is compiled
-    for each shape met, as with dynamic=False. Formatting a size is what makes Dynamo specialise it
-    (int() leaves it symbolic)."""
-    return tuple(int(f"{n}") for n in t.shape)
+    after a second shape, or dynamic=True; an int attribute that changed) is specialised here, with
+    a guard: a graph is compiled for each value met, as with dynamic=False. Formatting a value is
+    what makes Dynamo specialise it (int() leaves it symbolic)."""
+    return tuple(int(f"{n}") for n in values)
+
+
+def static_float(value):
+    """A number option (scale, soft cap) as a float, specialised under torch.compile as
+    `static_ints`; anything else as it is (None, or what the checks refuse by name)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return float(f"{value}")
+
+
+def static_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """t's sizes as ints, specialised under torch.compile (`static_ints`)."""
+    return static_ints(*t.shape)

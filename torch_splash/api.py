@@ -127,6 +127,7 @@ def attention(
         for t in (q, k, v):
             if isinstance(t, torch.Tensor):  # others are refused by name in the checks
                 _checks.static_shape(t)
+        scale, soft_cap = _checks.static_float(scale), _checks.static_float(soft_cap)
         source = jax_text.mask_source(mask)
     options = dict(
         mask=mask if source is None else None,

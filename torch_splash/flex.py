@@ -357,8 +357,8 @@ def _traced(query, key, value, block_mask, scale, cap):
         assign, block_shape = ((0,) * heads,) * batch, (q_len, kv_len)
     else:
         table, where, blocks, assign = graph_tables(block_mask, batch, heads)
-        block_shape = tuple(int(n) for n in block_mask.BLOCK_SIZE)
-    text = _call_text(assign, (q_len, kv_len), block_shape, scale, cap)
+        block_shape = _checks.static_ints(*block_mask.BLOCK_SIZE)
+    text = _call_text(assign, (q_len, kv_len), block_shape, _checks.static_float(scale), _checks.static_float(cap))
     return flex_forward(query, key, value, table, where, blocks, text)
 
 
@@ -367,7 +367,7 @@ def graph_tables(block_mask, batch: int, heads: int):
     kinds of each (b, h) evaluated (K, rows, cols) int8, `partial_blocks` of them, those blocks
     evaluated (n + 1, bq, bkv) bool (the stand-in's included), and for each batch element and head
     the index of its own among the K."""
-    (q_len, kv_len), block_shape = block_mask.seq_lengths, tuple(int(n) for n in block_mask.BLOCK_SIZE)
+    q_len, kv_len, *block_shape = _checks.static_ints(*block_mask.seq_lengths, *block_mask.BLOCK_SIZE)
     rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
     kinds = _block_kinds(block_mask, rows, cols)
     reads = _reads(block_mask.mask_mod, block_mask.kv_num_blocks.device)
