@@ -297,16 +297,18 @@ def test_any_block_size_of_the_block_mask(block_size):
     _assert_close_to_exact(got, exact)
 
 
-def test_bf16_is_as_close_to_a_float64_reference_as_torch_s_own():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fullgraph"])
+def test_bf16_is_as_close_to_a_float64_reference_as_torch_s_own(compiled):
     """bf16: splash's output and logsumexp, and torch's flex_attention's, against the float64
     reference on the same (bf16-rounded) inputs: splash's error at most twice torch's, or within
-    bf16's tolerance; splash's gradients within bf16's tolerance of the reference's."""
+    bf16's tolerance; splash's gradients within bf16's tolerance of the reference's. fullgraph:
+    splash under torch.compile(fullgraph=True)."""
     mask_mod = documents([[100, 60, 140], [37, 263]], 300)
     block_mask = create_block_mask(mask_mod, 2, None, 300, 300, device="cpu")
     q, k, v = make_qkv(2, 4, 2, 300, 300, 64, 64, torch.bfloat16)
     d_out = torch.randn(2, 4, 300, 64).to(torch.bfloat16)
     exact = _reference(q, k, v, block_mask, None, d_out)
-    ours = _splash(q, k, v, block_mask, None, d_out)
+    ours = _splash(q, k, v, block_mask, None, d_out, **(dict(flex=_compiled_flex()) if compiled else {}))
     theirs = _torch_forward(q, k, v, block_mask, None)
     assert ours[0].dtype == torch.bfloat16 and ours[1].dtype == torch.float32
 
