@@ -570,6 +570,46 @@ def test_route_flex_serves_a_model_wrapped_in_torch_compile(model_module):
     assert q.grad is not None
 
 
+WRAPPER_SOURCE = """
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+
+class FlexAttentionWrapper(torch.nn.Module):
+    # as torchtitan holds it: torch's function compiled once, when the class is defined
+    compiled = torch.compile(flex_attention, fullgraph=True, backend="aot_eager")
+
+    def forward(self, *args, **kwargs):
+        return FlexAttentionWrapper.compiled(*args, **kwargs)
+"""
+
+
+@pytest.mark.parametrize("scope", ["every module", "one module"])
+def test_route_flex_serves_torch_compile_of_flex_attention_made_before_it(scope):
+    """torchtitan's pattern: torch.compile(flex_attention) held by a class, made at import. Routed
+    by default (torch's function itself runs splash's call, however it is reached), torch's again
+    after the block; a routing scoped to modules leaves it torch's."""
+    module = types.ModuleType("flex_wrapper_for_tests")
+    exec(WRAPPER_SOURCE, vars(module))
+    attend = module.FlexAttentionWrapper()
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32))
+    block_mask = create_block_mask(sliding_window(40), None, None, 200, 200, device="cpu")
+    exact = reference(q.double(), k.double(), v.double(), block_mask)[0].float()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with torch_splash.route_flex(*(() if scope == "every module" else (module,))):
+            got = attend(q, k, v, block_mask=block_mask)
+            if scope == "every module":  # splash, not torch, served it: it refuses this score_mod
+                with pytest.raises(torch._dynamo.exc.Unsupported, match="relative_bias"):
+                    attend(q, k, v, block_mask=block_mask, score_mod=_relative_bias)
+            else:
+                attend(q, k, v, block_mask=block_mask, score_mod=_relative_bias)  # torch's
+        torch.testing.assert_close(got, exact, atol=2e-5, rtol=1e-5)
+        attend(q, k, v, block_mask=block_mask, score_mod=_relative_bias)  # torch's again
+    assert torch.nn.attention.flex_attention.flex_attention is torch_flex
+    assert torch_flex(q, k, v, block_mask=block_mask).shape == q.shape  # its own code is back
+
+
 class PackedDocumentModel(torch.nn.Module):
     """A model written for FlexAttention: one attention layer over packed documents, calling torch's
     flex_attention by the name its module imported."""

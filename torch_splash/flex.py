@@ -603,12 +603,14 @@ def route_flex(*modules):
 
     Within the block, torch's ``torch.nn.attention.flex_attention.flex_attention`` and every
     module global bound to it (``from torch.nn.attention.flex_attention import flex_attention`` at
-    a module's top) call splash; on exit they are torch's again. A call splash cannot serve raises
-    its SplashError: there is no silent fallback to torch's (dense, on TPU) implementation.
+    a module's top) call splash, and so does every other reference to torch's function, such as
+    ``torch.compile(flex_attention)`` made before the block (torchtitan's class attribute,
+    HuggingFace's compiled singleton); on exit they are torch's again. A call splash cannot serve
+    raises its SplashError: there is no silent fallback to torch's (dense, on TPU) implementation.
 
     Args:
-        *modules: only these modules' globals (torch's own attribute stays); default: torch's
-            attribute and every loaded module's.
+        *modules: only these modules' globals (torch's own function and attribute stay torch's);
+            default: torch's function itself and every loaded module's globals.
 
     Yields:
         None.
@@ -623,13 +625,42 @@ def route_flex(*modules):
             if value is original:
                 namespace[name] = routed
                 swapped.append((namespace, name))
+    # Torch's function object runs splash's call: what holds the object itself (a compiled wrapper
+    # reaches it by its code) is routed too. Renamed globals above change what Dynamo guards on, so
+    # graphs compiled outside the block are not reused in it, nor these outside it.
+    own = (original.__code__, original.__defaults__, original.__kwdefaults__)
+    if not modules:
+        code = _splash_code(len(original.__code__.co_freevars))
+        original.__code__, original.__defaults__, original.__kwdefaults__ = code, None, None
     try:
         yield
     finally:
+        if not modules:
+            original.__code__, original.__defaults__, original.__kwdefaults__ = own
         restore = swapped if modules else [(d, n) for d in _module_namespaces() for n in list(d)]
         for namespace, name in restore:
             if namespace.get(name) is routed:
                 namespace[name] = original
+
+
+@functools.lru_cache
+def _splash_code(free_variables: int):
+    """The code torch's flex_attention runs while routed: it calls torch_splash.flex_attention,
+    which it imports, since it runs among torch's module's globals. A function's code can only be
+    replaced by code of as many free variables (TorchTPU's patched flex_attention has four): these
+    are declared, never read."""
+    cells = [f"_cell{i}" for i in range(free_variables)]
+    lines = ["def _outer():", *(f"    {c} = None" for c in cells), "    def _call_splash(*args, **kwargs):"]
+    if cells:
+        lines += ["        if False:", f"            ({', '.join(cells)},)"]
+    lines += [
+        "        from torch_splash.flex import flex_attention",
+        "        return flex_attention(*args, **kwargs)",
+        "    return _call_splash",
+    ]
+    namespace = {}
+    exec("\n".join(lines), namespace)
+    return namespace["_outer"]().__code__
 
 
 def _module_namespaces() -> list[dict]:
