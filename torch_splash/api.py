@@ -204,9 +204,9 @@ def _attention(
     return out, lse.squeeze(0) if call.unbatched else lse
 
 
-def attention_backward(q, k, v, mask, out, lse, d_out, *, scale=None, soft_cap=None):
+def attention_backward(q, k, v, out, lse, d_out, mask, *, scale=None, soft_cap=None):
     """dq, dk, dv of ``attention(q, k, v, mask, scale=..., soft_cap=..., return_lse=True)`` from
-    what it returned (out, lse) and out's gradient: its backward, the dq/dkv kernels alone, for a
+    what it returned (out, lse) and out's gradient d_out: its backward, the dq/dkv kernels alone, for a
     caller that holds those instead of an autograd graph (a custom op's own backward)."""
     call = _checks.check_call(q, k, v, mask, scale, None, soft_cap)
     plan = _plan(call, None, call.platform, None)

@@ -454,7 +454,7 @@ def flex_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flex_attention's output and logsumexp (torch's convention) for the masks these tensors make."""
     masks, kwargs = _masks_of(table, where, blocks, call)
-    out, lse = _attend(query, key, value, masks, dict(kwargs, return_lse=True))
+    out, lse = _by_batch_element(attention, (query, key, value), masks, return_lse=True, **kwargs)
     return out.contiguous(), lse.contiguous()  # as the fake
 
 
@@ -481,15 +481,8 @@ def flex_backward(
     if d_lse is not None and bool(d_lse.ne(0).any()):
         raise SplashConstraintError(_LSE_GRADIENT)
     masks, kwargs = _masks_of(table, where, blocks, call)
-    if all(m is masks[0] for m in masks):
-        return tuple(t.contiguous() for t in attention_backward(query, key, value, masks[0], out, lse, d_out, **kwargs))
-    parts = [
-        attention_backward(
-            *(t[b : b + 1] for t in (query, key, value)), masks[b], *(t[b : b + 1] for t in (out, lse, d_out)), **kwargs
-        )
-        for b in range(len(masks))
-    ]
-    return tuple(torch.cat(p) for p in zip(*parts))
+    grads = _by_batch_element(attention_backward, (query, key, value, out, lse, d_out), masks, **kwargs)
+    return tuple(t.contiguous() for t in grads)  # as the fake
 
 
 @flex_backward.register_fake
@@ -517,14 +510,13 @@ def _flex_gradients(ctx, d_out, d_lse):
 flex_forward.register_autograd(_flex_gradients, setup_context=_save_for_backward)
 
 
-def _attend(query, key, value, masks: list, options: dict):
-    """`attention` with one mask per batch element (None: every key), as flex_attention's result."""
+def _by_batch_element(fn, tensors: tuple, masks: list, **options):
+    """``fn(*tensors, mask, **options)`` with one mask per batch element (None: every key): one call
+    where the masks are one, else one per batch element, its results concatenated."""
     if all(m is masks[0] for m in masks):
-        return attention(query, key, value, masks[0], **options)
-    parts = [
-        attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[b], **options) for b in range(len(masks))
-    ]
-    return tuple(torch.cat(p) for p in zip(*parts)) if options.get("return_lse") else torch.cat(parts)
+        return fn(*tensors, masks[0], **options)
+    parts = [fn(*(t[b : b + 1] for t in tensors), masks[b], **options) for b in range(len(masks))]
+    return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
 
 
 def flex_attention(
@@ -586,7 +578,9 @@ def flex_attention(
         masks = (
             [None] * batch if block_mask is None else block_mask_masks(block_mask, batch, heads, q_len, key.shape[2])
         )
-        result = _attend(query, key, value, masks, dict(scale=scale, soft_cap=cap, return_lse=want_lse))
+        result = _by_batch_element(
+            attention, (query, key, value), masks, scale=scale, soft_cap=cap, return_lse=want_lse
+        )
         if not want_lse:
             return (result, _torch_flex.AuxOutput()) if return_aux is not None else result
         out, lse = result
