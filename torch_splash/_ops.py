@@ -168,6 +168,32 @@ def _(q, k, v, q_ids, kv_ids, sinks, out, lse, d_out, mask_data, plan, sharding,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_sinks  # contiguous, as the real ones
 
 
+@torch.library.custom_op("torch_splash::decode", mutates_args=())
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    plan: str,
+    transport: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel (torch_splash_jax.decode): output and logsumexp (B, Hq, Lq) float32, -inf on
+    rows that see no key. No gradient: calls that need one take the splash ops."""
+    program = torch_splash_jax.program(jax_text.plan_from_text(plan))
+    named = _inputs(q, k, v, q_ids, kv_ids, sinks)
+    tensors = program.arguments(**named)
+    chosen = _transport.choose(tensors, transport or None)
+    out, lse = _transport.run(program.forward, tensors, chosen, program.plan.platform)
+    return out, lse
+
+
+@decode.register_fake
+def _(q, k, v, q_ids, kv_ids, sinks, plan, transport):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 def _save_residuals(ctx, inputs, output):
     q, k, v, q_ids, kv_ids, sinks, mask_data, plan, sharding, transport = inputs
     ctx.plan, ctx.sharding, ctx.transport = plan, sharding, transport

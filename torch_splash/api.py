@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError
+from torch_splash_jax import SplashConstraintError, decode
 from torch_splash_jax import text as jax_text
 
 from . import _checks, _compat, _compile, _ops, _sharding, _transport  # noqa: F401 (_compile: registers the options)
@@ -51,6 +51,46 @@ def _plan(
     )
 
 
+def _decode_plan(call: _checks.CheckedCall, kernel, block_sizes, sharding, backward: bool):
+    """The decode kernel's plan when this call takes it (by `kernel`, or by default where
+    torch_splash_jax.decode's rule says so), else None."""
+    if kernel not in (None, "splash", "decode"):
+        raise SplashConstraintError(
+            f"kernel={kernel!r}: expected 'splash', 'decode' or None (chosen by the call's shape)."
+        )
+    if kernel == "splash":
+        return None
+    batch, q_heads, q_len, head_dim = (int(n) for n in call.q.shape)
+    kv_heads, kv_len = int(call.k.shape[1]), int(call.k.shape[2])
+    dtype = _checks.dtype_name(call.q)
+    reason = decode.refusal(
+        call.mask, q_len=q_len, kv_len=kv_len, sharded=sharding is not None, block_sizes=block_sizes, dtype=dtype
+    )
+    if reason is None and backward:
+        reason = "it has no backward, and this call needs gradients (the splash kernels have one)"
+    if kernel == "decode":
+        if reason is not None:
+            raise decode.explicit_refusal(reason)
+    elif reason is not None or not decode.takes_by_default(q_heads, kv_heads, q_len, kv_len):
+        return None
+    return decode.decode_plan(
+        batch=batch,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        head_dim_v=int(call.v.shape[-1]),
+        dtype=dtype,
+        mask=call.mask,
+        scale=call.scale,
+        soft_cap=call.soft_cap,
+        has_segment_ids=call.segment_ids is not None,
+        has_sinks=call.sinks is not None,
+        platform=call.platform,
+    )
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,6 +108,7 @@ def attention(
     sequence_layout: str | None = None,
     context_parallel: str | None = None,
     return_lse: bool = False,
+    kernel: str | None = None,
 ):
     """Splash attention: softmax(scale * q k^T + mask) v, through the JAX Pallas splash kernels.
 
@@ -108,6 +149,12 @@ def attention(
         return_lse: also return the logsumexp of each row's scaled (and soft-capped) logits,
             (B, Hq, Lq) float32, natural log, -inf on rows that see no key (FlexAttention's
             convention). It carries no gradient. Unsharded calls only.
+        kernel: None (default): decode-shaped calls (few query rows per kv head against more
+            keys, no gradient needed) take the decode kernel, the others the splash kernels;
+            "decode" or "splash" choose. The decode kernel reads k and v once per kv head in
+            their own layout and skips the blocks past each batch element's keys (its segment
+            ids, as data); it has no backward, so a call that needs gradients takes the splash
+            kernels by default and is refused with kernel="decode".
 
     Returns:
         (B, Hq, Lq, Dv) (or (Hq, Lq, Dv)) in q's dtype, on q's device, and the logsumexp with
@@ -143,6 +190,7 @@ def attention(
         sequence_layout=sequence_layout,
         context_parallel=context_parallel,
         return_lse=return_lse or None,
+        kernel=kernel,
     )
     return _attention(q, k, v, **{name: value for name, value in options.items() if value is not None})
 
@@ -168,6 +216,7 @@ def _attention(
     sequence_layout=None,
     context_parallel=None,
     return_lse=False,
+    kernel=None,
 ):
     """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
     scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
@@ -184,23 +233,36 @@ def _attention(
         call = sharding.spread_single_kv_head(call)
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     _transport.choose(list(tensors), transport)  # validates `transport` before any JAX work; the ops choose again
-    plan = _plan(call, block_sizes, call.platform, sharding)
-    q_ids, kv_ids = call.segment_ids or (None, None)
-    called = (*_ops.op_arguments(plan, sharding), transport or "")
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    q_ids, kv_ids = call.segment_ids or (None, None)
+    plan = _decode_plan(call, kernel, block_sizes, sharding, backward)
+    if plan is not None:
+        _transport.record(plan, False)
+        out, lse = _ops.decode(
+            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, jax_text.plan_text(plan)[0], transport or ""
+        )
+        return _returned(call, out, lse if return_lse else None)
+    plan = _plan(call, block_sizes, call.platform, sharding)
+    called = (*_ops.op_arguments(plan, sharding), transport or "")
     _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
     if backward or return_lse:
         out, lse = _ops.forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
     else:  # no autograd graph to build: the cheaper forward, and no residuals
         out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
+    if return_lse:
+        lse = lse[..., : plan.q_len]
+        lse = torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
+    return _returned(call, out, lse if return_lse else None)
+
+
+def _returned(call: _checks.CheckedCall, out, lse):
+    """What `attention` returns: out in the caller's dtype and batching, with lse when given."""
     if call.out_dtype is not None:
         out = out.to(call.out_dtype)
     out = out.squeeze(0) if call.unbatched else out
-    if not return_lse:
+    if lse is None:
         return out
-    lse = lse[..., : plan.q_len]
-    lse = torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
     return out, lse.squeeze(0) if call.unbatched else lse
 
 

@@ -5,6 +5,8 @@ from .errors import SplashConstraintError, SplashDtypeError, SplashError, Splash
 
 compat.check_versions()
 
+from . import decode
+from .decode import DecodePlan
 from .kernels import EMPTY_ROW_LSE, TRACES, Program
 from .masks import (
     BlockSparseMask,
@@ -33,6 +35,7 @@ __all__ = [
     "BlockSparseMask",
     "CausalMask",
     "ChunkedCausalMask",
+    "DecodePlan",
     "DenseMask",
     "EMPTY_ROW_LSE",
     "LocalMask",
@@ -50,6 +53,7 @@ __all__ = [
     "balanced_chunk_order",
     "check_context_parallel",
     "check_sequence_layout",
+    "decode",
     "lane_padded",
     "plan",
     "program",

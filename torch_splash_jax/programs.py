@@ -1,5 +1,6 @@
-"""The compiled programs of the most recently used plans: a `kernels.Program`, or a
-`ring.RingProgram` for a plan whose kv sequence travels a ring (torch_splash_jax.policy sizes it)."""
+"""The compiled programs of the most recently used plans: a `kernels.Program`, a `ring.RingProgram`
+for a plan whose kv sequence travels a ring, or a `decode.DecodeProgram` (torch_splash_jax.policy
+sizes the cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import jax
 
 from . import policy
+from .decode import DecodePlan, DecodeProgram
 from .kernels import Program, forget_shared_programs
 from .plan import Plan
 from .ring import RingProgram
@@ -24,18 +26,21 @@ class ProgramCache:
 
     def __init__(self, size: int):
         self.size = size
-        self._programs: collections.OrderedDict[Plan, Program] = collections.OrderedDict()
+        self._programs: collections.OrderedDict[Plan | DecodePlan, Program] = collections.OrderedDict()
         self._evicted = 0
         self._lock = threading.Lock()
 
-    def __call__(self, plan: Plan) -> Program:
+    def __call__(self, plan: Plan | DecodePlan):
         """The compiled program for a plan; a second call with an equal plan traces nothing."""
         with self._lock:
             found = self._programs.get(plan)
             if found is not None:
                 self._programs.move_to_end(plan)
                 return found
-        built = RingProgram(plan) if plan.ring else Program(plan)  # outside the lock: tables can take seconds
+        # outside the lock: tables can take seconds
+        built = (
+            DecodeProgram(plan) if isinstance(plan, DecodePlan) else RingProgram(plan) if plan.ring else Program(plan)
+        )
         with self._lock:
             found = self._programs.setdefault(plan, built)
             self._programs.move_to_end(plan)

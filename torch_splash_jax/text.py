@@ -21,8 +21,11 @@ import operator
 import numpy as np
 
 from . import policy
+from .decode import DecodePlan
 from .masks import DATA, STRUCTURED, Mask
 from .plan import Plan
+
+_KINDS = {"splash": Plan, "decode": DecodePlan}
 
 _CALLS = {cls.__name__: cls for cls in (*STRUCTURED, *DATA)}
 
@@ -109,14 +112,16 @@ def _literal(value):
     return operator.index(value)
 
 
-def plan_text(plan: Plan) -> tuple[str, list[np.ndarray]]:
-    """The plan as text, and the arrays of its data masks (in the order the text names them)."""
+def plan_text(plan: Plan | DecodePlan) -> tuple[str, list[np.ndarray]]:
+    """The plan (a splash or a decode plan) as text, and the arrays of its data masks (in the order
+    the text names them)."""
     arrays: list[np.ndarray] = []
     fields = {f.name: _literal(getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.name != "mask"}
     source = mask_source(plan.mask, arrays)
     if source is None:
         raise TypeError(f"a plan's mask has no source: {plan.mask!r}")
-    text = repr({**fields, "mask": source})
+    kind = {"kind": "decode"} if isinstance(plan, DecodePlan) else {}
+    text = repr({**kind, **fields, "mask": source})
     _PLANS.setdefault(text, plan)
     return text, arrays
 
@@ -126,14 +131,14 @@ def plan_fields(text: str) -> dict:
     return ast.literal_eval(text)
 
 
-def plan_from_text(text: str, arrays=()) -> Plan:
+def plan_from_text(text: str, arrays=()) -> Plan | DecodePlan:
     """The plan `plan_text` wrote, given the arrays it returned (NumPy arrays or anything np.asarray
     reads); equal to the plan written."""
     found = _PLANS.get(text)
     if found is None:
         fields = plan_fields(text)
         fields["mask"] = mask_from_source(fields["mask"], arrays)
-        found = _PLANS.setdefault(text, Plan(**fields))
+        found = _PLANS.setdefault(text, _KINDS[fields.pop("kind", "splash")](**fields))
     return found
 
 

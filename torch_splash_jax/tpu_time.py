@@ -521,11 +521,13 @@ def kernel_output_bytes(hlo_text: str, name: str) -> int:
 
 
 def kernel_kind(name: str) -> str:
-    """ "forward", "dq" or "dkv" from a splash kernel's name (splash_mha_fwd..., splash_mqa_dkv...)."""
-    found = re.search(r"splash_m[hq]a_(fwd|dq|dkv)", name)  # traced into a program: jvp_vmap_splash_mha_fwd...
+    """ "forward", "dq", "dkv" or "decode" from a kernel's name (splash_mha_fwd..., splash_mqa_dkv...,
+    splash_decode)."""
+    found = re.search(r"splash_(?:m[hq]a_(fwd|dq|dkv)|(decode))", name)  # traced: jvp_vmap_splash_mha_fwd...
     if found is None:
-        raise ScheduleError(f"kernel {name}: not a splash forward, dq or dkv kernel")
-    return {"fwd": "forward"}.get(found[1], found[1])
+        raise ScheduleError(f"kernel {name}: not a splash forward, dq, dkv or decode kernel")
+    kind = found[1] or found[2]
+    return {"fwd": "forward"}.get(kind, kind)
 
 
 def tables_work(
