@@ -20,6 +20,8 @@
 #   ./dev.sh bench-context-parallel  runs benchmarks/bench_context_parallel.py (all-gather vs ring: HBM per chip)
 #   ./dev.sh bench-tpu-time     runs benchmarks/bench_tpu_time.py in the current set (TPU kernel time estimated
 #                          from the compiler's schedule, against tokamax's measured times)
+#   ./dev.sh bench-decode       runs benchmarks/bench_decode.py in the current set (decode steps and chunked
+#                          prefill: the decode kernel against splash, dense attention and the HBM floor, estimated)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
@@ -89,7 +91,7 @@ install_libtpu() {
 }
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  test-current|bench-tpu-time) install .venv-current 3.12 locks/current-py312.txt ;;
+  test-current|bench-tpu-time|bench-decode) install .venv-current 3.12 locks/current-py312.txt ;;
   test) install .venv 3.11 locks/xla-py311.txt; install .venv-current 3.12 locks/current-py312.txt ;;
   *) install .venv 3.11 locks/xla-py311.txt ;;
 esac
@@ -139,11 +141,14 @@ case "$cmd" in
   bench-context-parallel) install_libtpu; exec .venv/bin/python benchmarks/bench_context_parallel.py "$@" ;;
   bench-tpu-time) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_tpu_time.py "$@" ;;
+  bench-decode) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_decode.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-report | lint |" \
+          "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-decode |" \
+          "bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

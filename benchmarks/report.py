@@ -388,6 +388,55 @@ def _ms(value) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
+def _decode_cell(part: dict | None, floor: float) -> str:
+    if part is None:
+        return ""
+    if "error" in part:
+        return f"refused: {part['error'][:60]}"
+    seconds = part["seconds"] if "seconds" in part else part["cycles"]
+    return f"{seconds * 1e3:.3f} ({seconds / floor:.2f}x)"
+
+
+def _decode(r: dict) -> str:
+    lines = [
+        "Decode steps (one query token per sequence, 32/8 heads, head_dim 128, bf16, the whole cache visible): ms "
+        "per call and, in parentheses, times the HBM floor (reading k and v once). decode and splash: the "
+        "estimator's time of each program (kernels by their schedule, the XLA ops around them by XLA's estimate); "
+        "dense: XLA's own estimate of dense attention in XLA ops (what SDPA lowers to), not a schedule's. Blocks: "
+        "the decode plan's kv heads x keys per grid step.",
+        "",
+        "| chip | cache | B | floor ms | decode | kernel alone | splash | dense (XLA's estimate) | splash / decode | blocks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["steps"]:
+        floor, decode, splash = row["floor"], row["decode"], row["splash"]
+        speedup = f"{splash['seconds'] / decode['seconds']:.1f}x" if "seconds" in splash and "seconds" in decode else ""
+        kernel = f"{decode['kernel'] / floor:.2f}x" if "kernel" in decode else ""
+        blocks = f"{row['blocks']['heads']} x {row['blocks']['kv']}"
+        lines.append(
+            f"| {row['generation']} | {_tokens(row['kv_len'])} | {row['batch']} | {floor * 1e3:.3f} | "
+            f"{_decode_cell(decode, floor)} | {kernel} | {_decode_cell(splash, floor)} | "
+            f"{_decode_cell(row.get('dense'), floor)} | {speedup} | {blocks} |"
+        )
+    lines += [
+        "",
+        "Chunked prefill: new tokens against a 32K cache, B=1, 32/8 heads (rows per kv head: 4 x tokens). ms per "
+        "call and times the HBM floor; the default rule sends calls of up to `AUTO_MAX_ROWS` rows to the decode "
+        "kernel.",
+        "",
+        "| chip | new tokens | rows | decode | splash | splash / decode |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r["chunks"]:
+        floor, decode, splash = row["floor"], row["decode"], row["splash"]
+        speedup = f"{splash['seconds'] / decode['seconds']:.2f}x" if "seconds" in splash and "seconds" in decode else ""
+        lines.append(
+            f"| {row['generation']} | {row['q_len']} | {4 * row['q_len']} | {_decode_cell(decode, floor)} | "
+            f"{_decode_cell(splash, floor)} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
 def _memory(r: dict) -> str:
     lines = [
         f"Program cache of {r['cache']}, {r['shapes']} shapes. Per new shape: RSS (MB) and live jaxprs while the cache "
@@ -648,6 +697,14 @@ SECTIONS = {
         "chip; each attention implementation stops at its first length that does not fit. Then the longest splash "
         "length found by torch_splash.fit.largest_fitting. Example: examples/fit_llama.py.",
         _fit,
+    ),
+    "decode": (
+        "Decoding: the decode kernel against the splash kernels and dense attention (TPU compiler, estimates)",
+        "Estimates, not measurements (torch_splash_jax.decode_time, docs/tpu_time.md): each program compiled "
+        "deviceless by libtpu for one device of each generation, its kernel's time read from the schedule as for "
+        "the splash kernels (schedule plus HBM plus a stall per grid unit), its other ops at XLA's own estimate. "
+        "The decode kernel's steps are counted at the call's key ranges (data: a shorter sequence runs fewer).",
+        _decode,
     ),
     "tpu_time": (
         "TPU kernel time, estimated from the TPU compiler's schedule (no TPU), against tokamax's measured times",

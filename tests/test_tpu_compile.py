@@ -8,6 +8,7 @@ torch_xla set compiles with the libtpu torch_xla pins (0.0.21); the current set 
 TorchTPU requires (0.0.52, from its own venv), which also knows v7x.
 """
 
+import importlib.util
 import itertools
 import json
 import os
@@ -280,6 +281,39 @@ def test_program_exported_for_torchtpu_compiles_for_v7x(torchtpu_results, case, 
 def torchtpu_results():
     cases = [dict(c, generations=c["generations"] + (["v7x"] if c["name"] in ALSO_V6E else [])) for c in DEFAULT]
     return _by_key(_worker("torchtpu", ",".join(NEWEST_GENERATIONS), stdin=_lines(cases)))
+
+
+# The decode kernel's programs (torch_splash_jax.decode: forward only): decode steps of every kind it
+# serves, chunked prefill (row blocks), several splits, head_dim 64 to 256, each dtype.
+DECODE = [
+    _case("decode-gqa-bf16-32k", 32, 8, 1, 32768, 128, "bfloat16", "CausalMask(32767)", batch=8, kernel="decode"),
+    _case("decode-mqa-f32-ids", 8, 1, 1, 1000, 64, "float32", "FullMask()", segment_ids=True, kernel="decode"),
+    _case("decode-window-softcap-sinks", 8, 2, 4, 3000, 256, "bfloat16", "LocalMask(1023, 0, 2996)", kernel="decode",
+          soft_cap=30.0, sinks=True, segment_ids=True),
+    _case("decode-chunked-mha", 4, 4, 2, 2048, 128, "bfloat16", "ChunkedCausalMask(512)", kernel="decode"),
+    _case("decode-split-b1", 8, 8, 1, 4096, 128, "bfloat16", "CausalMask(4095)", kernel="decode", batch=1, dv=64),
+    _case("decode-prefill-rows", 32, 8, 128, 8192, 128, "bfloat16", "CausalMask(8064)", kernel="decode"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def decode_results():
+    generations = NEWEST_GENERATIONS if "v7x" in NEWEST_GENERATIONS else GENERATIONS
+    torchtpu = "torchtpu" if importlib.util.find_spec("torch_xla") is None else "programs"
+    return _by_key(_worker(torchtpu, ",".join(generations), stdin=_lines(DECODE)))
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[c["name"] for c in DECODE])
+def test_decode_program_compiles_for_tpu(decode_results, case):
+    """Each decode program as the set's transport hands it on (torch_xla's graph: its HLO module;
+    TorchTPU: its jax_op export), compiled for v5e and v6e, and v7x where the libtpu knows it."""
+    generations = NEWEST_GENERATIONS if "v7x" in NEWEST_GENERATIONS else GENERATIONS
+    for generation in generations:
+        result = decode_results.get((case["name"], "forward", generation)) or decode_results.get(
+            (case["name"], "forward", None)
+        )
+        assert result is not None and "error" not in result, result
+        assert result["mosaic_calls"] == 1 and result["bytes"] > 0, result
 
 
 @pytest.mark.xla

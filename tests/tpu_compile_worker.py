@@ -67,6 +67,23 @@ def case_plan(case: dict):
     else:
         mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
     blocks = case.get("blocks")
+    if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
+        return torch_splash_jax.decode.decode_plan(
+            batch=case.get("batch", 1),
+            num_q_heads=case["hq"],
+            num_kv_heads=case["hkv"],
+            q_len=case["q_len"],
+            kv_len=case["kv_len"],
+            head_dim=case["d"],
+            head_dim_v=case.get("dv", case["d"]),
+            dtype=case["dtype"],
+            mask=mask,
+            scale=case.get("scale", case["d"] ** -0.5),
+            soft_cap=case.get("soft_cap"),
+            has_segment_ids=case.get("segment_ids", False),
+            has_sinks=case.get("sinks", False),
+            platform="tpu",
+        )
     return torch_splash_jax.plan(
         batch=case.get("batch", 1),
         num_q_heads=case["hq"],
@@ -136,7 +153,7 @@ def _in_graph_module(program, plan, kind, version):
     from torch_splash_jax import aot
     from torch_splash_jax.transport import hlo_module, lowered
 
-    fn, args = getattr(program, kind), program_args(plan, kind, program.tables())
+    fn, args = getattr(program, kind), program_args(plan, kind, _tables(program))
     if importlib.util.find_spec("torch_xla") is None:
         text = lowered(fn, args, "tpu", version).as_text()
         return text, text.count("tpu_custom_call"), aot.compile_stablehlo
@@ -170,11 +187,22 @@ def _torchtpu_module(program, plan, kind, version):
 
     exported = _export_as_torchtpu(
         getattr(program, kind),
-        program_args(plan, kind, program.tables()),
+        program_args(plan, kind, _tables(program)),
         mosaic.ir_version() if version is None else version,
     )
     module = compat.portable_artifact_module(exported.mlir_module_serialized)
     return module, exported.mlir_module().count("tpu_custom_call"), aot.compile_stablehlo
+
+
+def _tables(program) -> list:
+    """A splash program's table inputs; a decode program takes none."""
+    return program.tables() if hasattr(program, "tables") else []
+
+
+def _blocks(plan) -> dict:
+    if isinstance(plan, __import__("torch_splash_jax").DecodePlan):
+        return dict(heads=plan.block_heads, rows=plan.block_rows, kv=plan.block_kv, splits=plan.splits)
+    return dict(plan.blocks)
 
 
 def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> None:
@@ -186,7 +214,8 @@ def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> 
         _emit(case=case["name"], kind="plan", generation=None, error=_error(exc))
         return
     program = torch_splash_jax.program(plan)
-    for kind in ("forward", "backward", "infer"):
+    kinds = ("forward",) if isinstance(plan, torch_splash_jax.DecodePlan) else ("forward", "backward", "infer")
+    for kind in kinds:
         start = time.perf_counter()
         try:
             build = _torchtpu_module if torchtpu else _in_graph_module
@@ -208,7 +237,7 @@ def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> 
                     lower_s=round(lowered, 2),
                     compile_s=round(time.perf_counter() - start, 2),
                     mosaic_calls=mosaic_calls,
-                    blocks=dict(plan.blocks),
+                    blocks=_blocks(plan),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

@@ -30,13 +30,14 @@ from .errors import SplashConstraintError
 AUTO_MAX_ROWS = 256
 # A grid step reads `block_heads` kv heads' blocks of `block_kv` keys. Each step costs a fixed
 # overhead, and each unit of the grid (batch element x head block x row block x split) a stall
-# where its output is written back (`tpu_time`), so blocks are as large as VMEM allows: k and v
-# blocks of at most KV_BLOCK_BYTES (double-buffered: twice that), and each head's float32 logits
-# of at most LOGITS_BYTES. Rows of one block: at most MAX_BLOCK_ROWS.
+# where its output is written back (`tpu_time`), so blocks are as large as VMEM_BUDGET allows
+# (`_vmem_bytes`; v5e's default scoped VMEM is 16 MiB, and Mosaic keeps some for itself): kv heads
+# first, as many as leave each MIN_BLOCK_KV keys, then keys, at most MAX_BLOCK_KV (past it the
+# steps are few and longer blocks only waste the cache's last one). At most MAX_BLOCK_ROWS rows.
 MAX_BLOCK_ROWS = 256
-KV_BLOCK_BYTES = 4 << 20
-LOGITS_BYTES = 1 << 20
+VMEM_BUDGET = 12 << 20
 MIN_BLOCK_KV = 1024
+MAX_BLOCK_KV = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +146,20 @@ def decode_plan(
     """The decode kernel's plan of a call (`refusal` must have said None)."""
     rows = (num_q_heads // num_kv_heads) * q_len
     block_rows = rows if rows <= MAX_BLOCK_ROWS else MAX_BLOCK_ROWS
-    key_bytes = (head_dim + head_dim_v) * {"float32": 4}.get(dtype, 2)
-    # Heads first, keys second: every unit of the grid costs a stall, every step less. As many kv
-    # heads as leave each head MIN_BLOCK_KV keys, then as many keys as the bytes and the logits allow.
-    keys_for = lambda heads: min(LOGITS_BYTES // (4 * _round_up(block_rows, 8)), KV_BLOCK_BYTES // (heads * key_bytes))  # noqa: E731
+    itemsize = {"float32": 4}.get(dtype, 2)
+
+    def keys_for(heads: int) -> int:  # the most keys per head within the budget, in whole lanes
+        fits = [
+            n
+            for n in range(128, MAX_BLOCK_KV + 1, 128)
+            if _vmem_bytes(heads, block_rows, n, head_dim, head_dim_v, itemsize) <= VMEM_BUDGET
+        ]
+        return fits[-1] if fits else 0
+
     block_heads = max(
         h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0 and (h == 1 or keys_for(h) >= MIN_BLOCK_KV)
     )
-    target = max(128, keys_for(block_heads) // 128 * 128)
+    target = max(128, keys_for(block_heads))
     block_kv = kv_len if kv_len <= target else _dividing_block(kv_len, target)
     row_blocks = -(-rows // block_rows)
     units = batch * (num_kv_heads // block_heads) * row_blocks
@@ -181,6 +188,17 @@ def decode_plan(
         block_kv=block_kv,
         splits=splits,
     )
+
+
+def _vmem_bytes(heads: int, rows: int, keys: int, head_dim: int, head_dim_v: int, itemsize: int) -> int:
+    """VMEM a grid step holds: its blocks double-buffered (q; k and v; the float32 output, maxima and
+    sums; the segment ids), and one head's float32 logits three times over (logits, their
+    exponentials, a mask), rows and ids padded to whole vector registers."""
+    rows8 = _round_up(rows, 8)
+    blocks = heads * (rows8 * head_dim * itemsize + keys * (head_dim + head_dim_v) * itemsize)
+    blocks += heads * rows8 * (_round_up(head_dim_v, 128) + 2 * decode_kernel.LANES) * 4
+    blocks += rows8 * 128 * 4 + 8 * keys * 4
+    return 2 * blocks + 3 * rows8 * keys * 4
 
 
 def _round_up(x: int, m: int) -> int:
