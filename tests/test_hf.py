@@ -436,3 +436,76 @@ def test_float16_model_parity_and_generation():
             tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert errors["splash"] <= errors["sdpa"] * 1.5 + 1e-3, errors
     assert torch.equal(tokens["splash"], tokens["sdpa"])
+
+
+@pytest.mark.parametrize(
+    "family", ["gpt_oss", *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != "gpt_oss")]
+)
+def test_static_cache_generation_takes_the_decode_kernel_and_matches(family, monkeypatch):
+    """generate with a StaticCache: transformers makes each step's mask before the forward and hands
+    it back as the model's attention_mask (a SplashMask). Greedy tokens equal the baseline's, and the
+    decode steps run the decode kernel. gpt-oss by default: sinks, sliding and full layers, GQA."""
+    from torch_splash import _ops
+
+    calls, op = [], _ops.decode
+    monkeypatch.setattr(_ops, "decode", lambda *a: calls.append(a) or op(*a))
+    model = make_model(family).eval()
+    ids, mask, _, _ = batch("left")
+    tokens = {}
+    for impl in (BASELINE[family], "splash"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static"
+        )
+    assert torch.equal(tokens["splash"], tokens[BASELINE[family]])
+    assert len(calls) >= 5 * SMALL["num_hidden_layers"]  # every decode step's every layer
+
+
+def test_dynamic_cache_decode_steps_take_the_decode_kernel(monkeypatch):
+    from torch_splash import _ops
+
+    calls, op = [], _ops.decode
+    monkeypatch.setattr(_ops, "decode", lambda *a: calls.append(a) or op(*a))
+    model = make_model("llama").eval()
+    model.set_attn_implementation("splash")
+    ids, mask, _, _ = batch("left")
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert len(calls) == 2 * SMALL["num_hidden_layers"]  # the steps after the prefill
+
+
+def test_a_torch_xla_decode_loop_compiles_one_graph_for_every_step(xla_device):
+    """A StaticCache decode loop on torch_xla's device, one step per sync, with the position as data
+    (cache_position): after the first decode step no step compiles again, as with sdpa, and the
+    greedy tokens are sdpa's."""
+    import torch_xla
+    from helpers import xla_metric_count
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL)).eval()
+    model = model.to(xla_device)
+    ids, _, _, _ = batch("left")
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, :4] = 0  # left padding, over the whole cache's length
+    ids, mask = ids.to(xla_device), mask.to(xla_device)
+
+    def decode_loop(impl, steps=3):
+        model.set_attn_implementation(impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        tokens, compiled = [], []
+        with torch.no_grad():
+            out = model(
+                ids, attention_mask=mask, past_key_values=cache, cache_position=torch.arange(L, device=xla_device)
+            )
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch_xla.sync()
+            for step in range(steps):
+                position = torch.tensor([L + step], device=xla_device)
+                out = model(token, attention_mask=mask, past_key_values=cache, cache_position=position)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                torch_xla.sync()
+                tokens.append(token.cpu())
+                compiled.append(xla_metric_count("CompileTime"))
+        return torch.cat(tokens, 1), compiled
+
+    (ref, _), (got, compiled) = decode_loop("sdpa"), decode_loop("splash")
+    assert torch.equal(got, ref)
+    assert compiled[1:] == [compiled[0]] * (len(compiled) - 1), compiled

@@ -43,6 +43,11 @@ class SplashMask:
     segment_ids: tuple[torch.Tensor, torch.Tensor] | None = None
     pad_keys_to: int | None = None  # decoding: keys padded to this length (kv ids 0 there)
 
+    # `generate` with a compileable cache (StaticCache) makes each step's mask before the forward
+    # and hands it back to the model as its attention_mask: transformers reads its `ndim` (a 2-D
+    # mask would be a padding mask to build from), and the mask function returns it as it is.
+    ndim = 4
+
 
 class _Unrecognised(Exception):
     pass
@@ -115,8 +120,8 @@ def _read(mask_function) -> _Structure:
 def _chunk_ids(chunk, batch_size: int, length: int, offset: int, device) -> torch.Tensor:
     """(B, length) chunk index of each position: HF's (position - left padding) // chunk size."""
     size, left_padding, positions = chunk
-    if positions is None:
-        positions = torch.arange(offset, offset + length, device=device).expand(batch_size, length)
+    if positions is None:  # offset may be a tensor (a decode step's position): added, never read
+        positions = (torch.arange(length, device=device) + offset).expand(batch_size, length)
     return torch.div(positions - left_padding.to(positions.device)[:, None], size, rounding_mode="floor")
 
 
@@ -156,7 +161,8 @@ def splash_mask(
 ):
     """The "splash" entry of AttentionMaskInterface: a SplashMask, or for a mask function it does not
     recognise, HF's dense bool mask (B, 1, Lq, Lkv)."""
-    q_offset = int(q_offset)  # StaticCache layers report it as a tensor
+    if isinstance(attention_mask, SplashMask):  # made for this step already (see SplashMask.ndim)
+        return attention_mask
     try:
         structure = _read(mask_function)
     except _Unrecognised:
@@ -182,12 +188,16 @@ def splash_mask(
         padding.device.type == "xla" or torch.compiler.is_compiling() or not bool(padding.all())
     ):
         kv_valid = padding[:, kv_offset : kv_offset + kv_length]
-    segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
     if q_length == 1 and structure.packed is None:
+        # A StaticCache reports the position as a tensor: it stays one, so each decode step is the
+        # same program with the position as data (on torch_xla, one graph for every step).
+        segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
         same_segment = None if segments is None else segments[1] == segments[0]
         return _decode_mask(
             batch_size, kv_length, q_offset - kv_offset, structure.left, structure.right, same_segment, kv_valid, device
         )
+    q_offset = int(q_offset)  # a prefill's mask is a structured mask, whose offset is a constant
+    segments = _segments(structure, batch_size, q_length, kv_length, q_offset, kv_offset, device)
     mask = _window_mask(structure.left, structure.right, q_offset - kv_offset)
     if segments is None and kv_valid is None:
         return SplashMask(mask)
@@ -212,10 +222,13 @@ def splash_mask(
 def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_valid, device) -> SplashMask:
     """One query per row (decoding). The keys it sees form one range, [offset - left, offset + right],
     within its own chunk if chunked (same_segment, (B, Lkv)). That and the padding become kv segment
-    ids over a full mask, and the keys are padded to `torch_splash_jax.lane_padded` (the kernel pads there
-    anyway). So every decode step until the cache crosses that multiple has the same shapes and mask
-    and reuses one compiled program; with the mask's offset and the key length as compile-time
-    constants, each step would compile its own."""
+    ids over a full mask: data, which the decode kernel reads to skip the blocks no query sees. The
+    keys are padded to `torch_splash_jax.lane_padded`, so a growing cache (DynamicCache) keeps its
+    shapes for 128 steps, and a StaticCache, whose length does not change, keeps them for good:
+    every such step reuses one compiled program. With the offset and the key length as
+    compile-time constants, each step would compile its own."""
+    if isinstance(offset, torch.Tensor):
+        offset = offset.to(device)
     j = torch.arange(kv_length, device=device)
     visible = torch.ones(kv_length, dtype=torch.bool, device=device)
     if left is not None:
