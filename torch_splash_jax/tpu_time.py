@@ -657,6 +657,18 @@ def splash_estimate(plan, generation: str, backward: bool = True) -> Estimate:
     return program_estimate(schedules, splash_works(program), hlo, generation)
 
 
+def _estimate(plan, generation: str, backward: bool) -> Estimate:
+    """A splash plan's estimate, or a decode plan's (forward only, at its whole cache: the lengths
+    a decode call runs at are data the plan does not hold)."""
+    from .decode import DecodePlan
+
+    if isinstance(plan, DecodePlan):
+        from . import decode_time
+
+        return decode_time.decode_estimate(decode_time.DecodeCall(plan), generation)
+    return splash_estimate(plan, generation, backward=backward)
+
+
 def _libtpu_dir() -> str | None:
     """The folder of the estimator's libtpu: $TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR, else
     $TORCH_SPLASH_LIBTPU_DIR, else None (the installed `libtpu` package, as in the current set)."""
@@ -739,7 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     calibrate_arguments(commands.add_parser("calibrate", help="estimate tokamax's kernel at its measured entries"))
-    one = commands.add_parser("estimate", help="estimate one pickled torch_splash_jax Plan (torch_splash.fit runs it)")
+    one = commands.add_parser(
+        "estimate", help="estimate one pickled torch_splash_jax Plan or DecodePlan (torch_splash.fit runs it)"
+    )
     one.add_argument("plan")
     one.add_argument("--generation", required=True, help=f"one of {sorted(CHIPS)}")
     one.add_argument("--forward-only", action="store_true")
@@ -759,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = pickle.loads(pathlib.Path(options.plan).read_bytes())
         try:
-            result = estimate_json(splash_estimate(plan, options.generation, backward=not options.forward_only))
+            result = estimate_json(_estimate(plan, options.generation, backward=not options.forward_only))
         except (SplashConstraintError, ScheduleError) as error:
             result = dict(error=str(error))
         print(json.dumps(result), flush=True)
