@@ -42,6 +42,7 @@ def test_demo():
         ("bench-context-parallel", "context_parallel_quick.json", "rows"),
         ("fit-llama", "fit_quick.json", "rows"),
         ("bench-tpu-time", "tpu_time_quick.json", "calibration"),
+        ("bench-decode", "decode_quick.json", "steps"),
     ],
 )
 def test_benchmark_quick_mode(command, result, key):
@@ -135,3 +136,15 @@ def test_the_ring_compiles_for_tpu_beside_the_all_gather():
     # of 4 (the step tables grow with the chips; measured 0.39 and 0.32 GiB). Reordering the global
     # tensors for the balanced layout instead took 0.93 GiB over 16 chips.
     assert ring16["bytes"] < 1.25 * ring["bytes"], rows
+
+
+def test_a_decode_step_is_estimated_near_the_hbm_floor_and_far_below_splash():
+    """From bench-decode --quick: one decode step (v5e, 4K cache, B=8, 32/8 heads, head_dim 128), the
+    decode kernel's program against the splash forward's, both estimated from the TPU compiler's
+    schedule (estimated at this commit: 1.35x and 11.6x the HBM floor)."""
+    path = RESULTS / "decode_quick.json"
+    if not path.exists():
+        dev("bench-decode", "--quick")
+    (step,) = json.loads(path.read_text())["steps"]
+    assert step["decode"]["seconds"] < 1.5 * step["floor"], step
+    assert step["splash"]["seconds"] > 5 * step["decode"]["seconds"], step
