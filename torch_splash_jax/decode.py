@@ -24,10 +24,11 @@ from . import masks as _masks
 from .errors import SplashConstraintError
 
 # Rows (query heads per kv head x query tokens) up to which a call takes the decode kernel by
-# default, where the estimator puts it ahead of the splash kernels (docs/benchmarks.md, "Decoding":
-# `./dev.sh bench-decode`). Past it the rows no longer fit one block, and every row block reads
-# the cache again.
-AUTO_MAX_ROWS = 256
+# default. Set by the estimator (docs/benchmarks.md, "Decoding", chunked prefill: `./dev.sh
+# bench-decode`): against a 32K cache, 32/8 heads, the decode program is 5.5x to 6.0x faster than
+# the splash forward at 64 rows, 1.6x to 1.7x at 512, and 0.67x to 0.73x at 2048, on v5e, v5p, v6e
+# and v7x alike: every row block reads the cache again, where splash's large q blocks do not.
+AUTO_MAX_ROWS = 512
 # A grid step reads `block_heads` kv heads' blocks of `block_kv` keys. Each step costs a fixed
 # overhead, and each unit of the grid (batch element x head block x row block x split) a stall
 # where its output is written back (`tpu_time`), so blocks are as large as VMEM_BUDGET allows
