@@ -122,6 +122,16 @@ def dynamic_size(minimum: int):
         return size
 
 
+def torch_sdpa():
+    """torch's own SDPA: the builtin that `torch.nn.functional.scaled_dot_product_attention` is
+    bound to (the same object, torch 2.9 and 2.15). Reached here rather than through that
+    attribute, which users rebind to install the drop-in: looking it up there would call the
+    drop-in itself."""
+    import torch
+
+    return torch._C._nn.scaled_dot_product_attention
+
+
 def tensor_version(t) -> int:
     """The version counter torch bumps on every in-place change of a tensor (and of its views)."""
     return t._version
