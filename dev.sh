@@ -78,7 +78,7 @@ install_libtpu() {
   fi
   export TORCH_SPLASH_LIBTPU_DIR="$PWD/.venv/libtpu"
   # the TPU time estimator reads the schedules of the libtpu it was calibrated with (the current set's)
-  release=$(sed -n 's/^ESTIMATOR_LIBTPU = "\(.*\)"$/\1/p' torch_splash_jax/tpu_time.py)
+  release=$(sed -n 's/^ESTIMATOR_LIBTPU = "\(.*\)"$/\1/p' torch_splash_jax/tpu_time/libtpu.py)
   if [ ! -f ".venv/libtpu-estimator/.installed-$release" ]; then
     echo "[dev.sh] installing libtpu==$release into .venv/libtpu-estimator (for the TPU time estimates)" >&2
     rm -rf .venv/libtpu-estimator

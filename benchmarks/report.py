@@ -528,7 +528,7 @@ def _tpu_time(r: dict) -> str:
         f"run fits {fitted['row_stall_us']:.3f} us and "
         + ", ".join(f"{g} {f:.3f}" for g, f in fitted["clock_factor"].items())
         + " (the backward is estimated with the forward's numbers, not fitted, and adds the HBM traffic of the XLA "
-        "ops tokamax's vjp op runs around its kernel: torch_splash_jax.calibration.Calibrated.parts).",
+        "ops tokamax's vjp op runs around its kernel: torch_splash_jax.tpu_time.calibration.Calibrated.parts).",
         "",
         "| chip, direction | entries | without the fitted numbers: median error | within 25% | clock factor "
         "| with them: median error | within 25% |",

@@ -209,9 +209,9 @@ def test_generation_compiles_once_per_128_cached_tokens():
     model = make_model("mistral").eval()
     ids, mask, _, _ = batch("left")
     model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # compile prefill and decode
-    before = sum(torch_splash_jax.TRACES.values())
+    before = sum(torch_splash_jax.kernels.TRACES.values())
     model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)  # 12 + 30 tokens < 128
-    assert sum(torch_splash_jax.TRACES.values()) == before
+    assert sum(torch_splash_jax.kernels.TRACES.values()) == before
 
 
 def _dense(splash_mask, q_len, kv_len):
@@ -453,7 +453,7 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, planned_
     never executed): every attention layer adds its forward and backward Mosaic calls."""
     import gc
 
-    import torch_xla
+    from torch_splash import _compat
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -462,7 +462,7 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, planned_
     ids, mask, _, _ = batch("right")
     loss = model(input_ids=ids.to(xla_device), attention_mask=mask.to(xla_device), labels=ids.to(xla_device)).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+    hlo = _compat.pending_hlo_text(list(grads))
     per_layer = tpu_training_kernels(ids.shape[1], ids.shape[1], SMALL["hidden_size"] // SMALL["num_attention_heads"])
     assert hlo.count('custom_call_target="tpu_custom_call"') == per_layer * SMALL["num_hidden_layers"]
     del loss, grads, model  # never executed: nothing may sync these graphs on a CPU

@@ -179,6 +179,20 @@ def pending_hlo_text(tensors) -> str:
     return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
+def buffer_pointer(tensor) -> int:
+    """The device buffer address of a materialised torch_xla tensor (tests: DLPack shares it)."""
+    import torch_xla
+
+    return torch_xla._XLAC._unsafe_buffer_pointer(tensor)
+
+
+def wait_device_ops() -> None:
+    """Wait until every device has finished the work queued on it (benchmarks' timings)."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_wait_device_ops([])
+
+
 def in_graph_function(name: str, hlo_module_proto: bytes):
     """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
     import torch_xla.core.xla_builder as xla_builder

@@ -17,8 +17,9 @@ upper bound is declared where no break is known (a bound makes pip downgrade the
 The breaks that are known are named where they bind: torch_xla 2.9's (TORCH_XLA_NEEDS).
 
 Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
-used, and the TorchTPU entries, called only by torch_splash's transport and the tests, import it
-when called (torch_splash_jax itself never imports torch).
+used. TorchTPU's one entry is a module name (`TORCHTPU_PALLAS_MODULE`, the kernel runtime the
+tests replace with a CPU stand-in); nothing here imports TorchTPU (torch_splash_jax never imports
+torch).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ CHECKED = {
     "torch_xla": ("2.9.0",),
     "torch-tpu": ("0.2.0",),
     "libtpu": ("0.0.21", "0.0.52"),
-    "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.calibration)
+    "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.tpu_time.calibration)
 }
 ALLOW_UNTESTED = "TORCH_SPLASH_ALLOW_UNTESTED"
 
