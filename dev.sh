@@ -2,7 +2,8 @@
 # The two set-up commands of the README:
 #   ./dev.sh demo          installs what is missing, runs examples/quickstart.py (CPU, no download)
 #   ./dev.sh test [args]   installs what is missing, runs the test suite on both tested sets (extra args
-#                          go to pytest): test-xla, then test-current
+#                          go to pytest; -m EXPR selects within each set, never the other set's tests):
+#                          test-xla, then test-current
 # and the rest:
 #   ./dev.sh test-xla [args]       the torch_xla set (Python 3.11, torch 2.9, torch_xla 2.9, jax 0.7.1), in .venv:
 #                          every test but TorchTPU's (-m torchtpu)
@@ -80,7 +81,7 @@ install_libtpu() {
   fi
   export TORCH_SPLASH_LIBTPU_DIR="$PWD/.venv/libtpu"
   # the TPU time estimator reads the schedules of the libtpu it was calibrated with (the current set's)
-  release=$(sed -n 's/^ESTIMATOR_LIBTPU = "\(.*\)"$/\1/p' torch_splash_jax/tpu_time.py)
+  release=$(sed -n 's/^ESTIMATOR_LIBTPU = "\(.*\)"$/\1/p' torch_splash_jax/tpu_time/libtpu.py)
   if [ ! -f ".venv/libtpu-estimator/.installed-$release" ]; then
     echo "[dev.sh] installing libtpu==$release into .venv/libtpu-estimator (for the TPU time estimates)" >&2
     rm -rf .venv/libtpu-estimator
@@ -96,17 +97,37 @@ case "$cmd" in
   *) install .venv 3.11 locks/xla-py311.txt ;;
 esac
 workers="${TORCH_SPLASH_TEST_WORKERS:-2}"
+# markers OTHER_SET_MARKER [pytest args]: sets MARKERS to the -m expression for one set and ARGS to the
+# other arguments. A set never runs the other set's tests ("not OTHER_SET_MARKER"); by default it also
+# skips the slow sweeps ("not slow"), and a caller's -m EXPR takes that place: "(EXPR) and not
+# OTHER_SET_MARKER", so `-m slow` runs the slow sweeps each set can run, and nothing of the other's.
+markers() {
+  local other=$1 expr=""
+  shift
+  ARGS=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      -m) [ $# -ge 2 ] || { echo "[dev.sh] -m needs a marker expression" >&2; exit 2; }
+        expr=$2; shift 2 ;;
+      -m*) expr=${1#-m}; expr=${expr#=}; shift ;;
+      *) ARGS+=("$1"); shift ;;
+    esac
+  done
+  if [ -n "$expr" ]; then MARKERS="($expr) and not $other"; else MARKERS="not slow and not $other"; fi
+}
 # The torch_xla set; TorchTPU's tests are deselected (their package and libtpu are the current set's).
 test_xla() {
   install_libtpu
-  .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slow and not torchtpu" "$@"
+  markers torchtpu "$@"
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "$MARKERS" ${ARGS[@]+"${ARGS[@]}"}
 }
 # The current set. TorchTPU's libtpu (in the venv, where TorchTPU installs it) serves the TPU compile
 # checks; torch_splash keeps JAX on the CPU where TorchTPU is installed, and the test processes are told so too.
 test_current() {
+  markers xla "$@"
   TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     JAX_PLATFORMS=cpu .venv-current/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder \
-    -m "not slow and not xla" "$@"
+    -m "$MARKERS" ${ARGS[@]+"${ARGS[@]}"}
 }
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 case "$cmd" in
@@ -115,7 +136,8 @@ case "$cmd" in
   # cores the suite's subprocesses and JAX compiles leave a single pytest process idle for long
   # stretches. Files go out longest first (tests/conftest.py). TORCH_SPLASH_TEST_WORKERS=0 (or -n 0)
   # runs everything in one process.
-  # -m: a -m among the extra arguments comes later and replaces it (`-m slow`: the slow sweeps only).
+  # -m EXPR selects within each set: "(EXPR) and not <the other set's marker>" (`-m slow`: the slow
+  # sweeps each set can run; see `markers`).
   # Both sets, each in full; the run fails when either does. With pytest arguments that select
   # only one set's tests, the other collects none (pytest's exit 5), which is not a failure.
   test) status=0

@@ -40,7 +40,7 @@ K, M = 1024, 1024 * 1024
 def measure(slice_name: str, chips: int, steps: list[tuple[str, int]]) -> list[dict]:
     """Per-chip HBM of each (strategy, L) step over `chips` chips of `slice_name`, in a process of
     its own (torch_xla SPMD over as many CPU devices, libtpu loaded)."""
-    from torch_splash_jax import aot
+    from torch_splash_jax.tpu_time import aot
 
     env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips))

@@ -1,6 +1,6 @@
 """Decoding on TPU without a TPU: the decode kernel against the splash kernels, dense attention in XLA
 ops, and the HBM floor, per attention call, from the TPU compiler's schedule (libtpu 0.0.52,
-deviceless). Every figure is an estimate (torch_splash_jax.tpu_time and .decode_time say what they
+deviceless). Every figure is an estimate (torch_splash_jax.tpu_time and its decode module say what they
 leave out); the dense column is XLA's own estimate of its ops, not a schedule's.
 
 1. Decode steps: one query token per sequence against a full cache (the query at its last
@@ -68,7 +68,9 @@ def _plans(batch: int, q_len: int, kv_len: int):
 
 
 def _estimate(estimate) -> dict:
-    kernels = [dict(name=k.name, seconds=k.seconds, schedule=k.schedule_seconds, hbm=k.hbm_seconds) for k in estimate.kernels]
+    kernels = [
+        dict(name=k.name, seconds=k.seconds, schedule=k.schedule_seconds, hbm=k.hbm_seconds) for k in estimate.kernels
+    ]
     return dict(kernel=estimate.kernel_seconds, rest=estimate.rest_seconds, seconds=estimate.seconds, kernels=kernels)
 
 
@@ -81,7 +83,8 @@ def _attempt(compute) -> dict:
 
 
 def _row(generation: str, kv_len: int, batch: int, q_len: int, dense: bool) -> dict:
-    from torch_splash_jax import decode_time, tpu_time
+    from torch_splash_jax import tpu_time
+    from torch_splash_jax.tpu_time import decode as decode_time
 
     decode_plan, splash_plan = _plans(batch, q_len, kv_len)
     call = decode_time.DecodeCall(decode_plan)
@@ -96,7 +99,9 @@ def _row(generation: str, kv_len: int, batch: int, q_len: int, dense: bool) -> d
         splash=_attempt(lambda: _estimate(tpu_time.splash_estimate(splash_plan, generation, backward=False))),
     )
     if dense:
-        row["dense"] = _attempt(lambda: dict(zip(("cycles", "bytes"), decode_time.dense_attention_seconds(call, generation))))
+        row["dense"] = _attempt(
+            lambda: dict(zip(("cycles", "bytes"), decode_time.dense_attention_seconds(call, generation)))
+        )
     print(json.dumps({k: row[k] for k in ("generation", "kv_len", "batch", "q_len")}), flush=True)
     return row
 

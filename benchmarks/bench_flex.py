@@ -74,6 +74,7 @@ def step_hlo(length: int, impl: str, seed: int = 0) -> str:
     from torch.nn.attention.flex_attention import create_mask
 
     import torch_splash
+    from torch_splash import _compat
 
     device = torch_xla.device()
     dim = HEADS * HEAD_DIM
@@ -95,7 +96,7 @@ def step_hlo(length: int, impl: str, seed: int = 0) -> str:
     with torch.no_grad():
         for w in (w_qkv, w_out):
             w -= 0.1 * w.grad
-    return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
+    return _compat.pending_hlo_text([w_qkv, w_out, loss])
 
 
 def hbm(length: int, impl: str, generation: str = "v5e") -> dict:

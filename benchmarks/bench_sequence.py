@@ -66,7 +66,7 @@ def _worker(args: list[str], env: dict) -> list[dict]:
 
 def tpu_memory(chips: int, steps: list[tuple[str, int]]) -> list[dict]:
     """Per-device HBM of each (mask, L) step, in a process with `chips` SPMD devices and libtpu loaded."""
-    from torch_splash_jax import aot
+    from torch_splash_jax.tpu_time import aot
 
     env = aot.environment(os.environ.get("TORCH_SPLASH_LIBTPU_DIR", str(ROOT / ".venv" / "libtpu")))
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips))

@@ -37,7 +37,7 @@ def in_a_libtpu_process(script: str) -> None:
     """Unless this process can load libtpu (deviceless), run `script` with this command line in one
     that can, and exit with its status."""
     if os.environ.get("TPU_SKIP_MDS_QUERY") is None:
-        from torch_splash_jax import aot
+        from torch_splash_jax.tpu_time import aot
 
         env = aot.environment(_libtpu_dir())
         env["PJRT_DEVICE"] = "CPU"
@@ -75,6 +75,7 @@ def step_hlo(
     import torch_xla
 
     import torch_splash
+    from torch_splash import _compat
 
     device = torch_xla.device()
     dim = HEADS * HEAD_DIM
@@ -110,7 +111,7 @@ def step_hlo(
     with torch.no_grad():
         for w in (w_qkv, w_out):
             w -= 0.1 * w.grad
-    return torch_xla._XLAC._get_xla_tensors_hlo([w_qkv, w_out, loss])
+    return _compat.pending_hlo_text([w_qkv, w_out, loss])
 
 
 def measure(
@@ -138,7 +139,7 @@ def measure(
 
 def compiled(text: str, generation: str, shards: int = 1, schedule=None) -> dict:
     """The compiler's HBM figure for a step's HLO text (per device), or why it does not fit."""
-    from torch_splash_jax import aot
+    from torch_splash_jax.tpu_time import aot
 
     proto = aot.hlo_text_to_proto(text)
     try:
@@ -172,7 +173,8 @@ def largest_fitting(use_splash: bool, generation: str, start: int, limit: int) -
 
 def run(quick: bool) -> dict:
     from torch_splash.fit import planned_for_tpu
-    from torch_splash_jax import aot, mosaic
+    from torch_splash_jax import mosaic
+    from torch_splash_jax.tpu_time import aot
 
     with planned_for_tpu():  # plan and lower the kernels for TPU
         generations = ["v5e"] if quick else ["v5e", "v6e"]

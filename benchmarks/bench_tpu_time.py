@@ -3,7 +3,7 @@ deviceless), checked against tokamax's measured TPU times, and torch_splash's pl
 with JAX's splash and tokamax. Every figure is an estimate (torch_splash_jax.tpu_time says what it
 leaves out); only tokamax's "measured" column was measured, on real chips, by tokamax.
 
-1. Calibration: `torch_splash_jax.calibration` at every measured entry of tokamax's caches,
+1. Calibration: `torch_splash_jax.tpu_time.calibration` at every measured entry of tokamax's caches,
    forward on v5p, v6e and v7x and backward (fused dkv) on v7x: the error without and with the
    numbers fitted (a stall per row, and a clock factor per generation).
 2. Comparison, one device, per call of a training step (the forward with residuals, then the
@@ -130,7 +130,8 @@ def _tokamax_row(case: tuple) -> dict | None:
     head_dim and mask; the same heads and B=1 first, then the nearest length; no measured time
     then); on v5e, at v5p's. For masks tokamax's TPU op cannot take, what it does instead
     ("refused"); None where it cached nothing similar."""
-    from torch_splash_jax import calibration, tpu_time
+    from torch_splash_jax import tpu_time
+    from torch_splash_jax.tpu_time import calibration
 
     generation, mask_name, length, heads, kv_heads, dim = case
     if mask_name == "document":
@@ -172,7 +173,8 @@ def _tokamax_refusal(length: int, heads: int, kv_heads: int, dim: int, window: i
     import jax
     import jax.numpy as jnp
 
-    from torch_splash_jax import calibration, compat
+    from torch_splash_jax import compat
+    from torch_splash_jax.tpu_time import calibration
 
     tk_fwd, _, _ = compat.tokamax_attention_modules()
     config = calibration.probe_config(length, length)
@@ -249,7 +251,7 @@ def search(cases=SEARCH, candidates=None) -> list[dict]:
 
 
 def calibrations(quick: bool, saved: pathlib.Path | None) -> dict:
-    from torch_splash_jax import calibration
+    from torch_splash_jax.tpu_time import calibration
 
     out = {}
     for generation, direction in [("v5p", "forward")] if quick else CALIBRATIONS:
@@ -284,7 +286,8 @@ def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
     """In a process started with libtpu's dump flags: the parts this benchmark measures; each part
     found in `saved` (as a run of this benchmark left it there) is taken from it, each other part
     computed and saved there."""
-    from torch_splash_jax import calibration, tpu_time
+    from torch_splash_jax import tpu_time
+    from torch_splash_jax.tpu_time import calibration
 
     results = dict(clock_factor=dict(tpu_time.CLOCK_FACTOR), row_stall_us=tpu_time.ROW_STALL * 1e6)
 

@@ -26,6 +26,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_splash
+from torch_splash import _compat
 
 DIM, HEADS, KV_HEADS, LENGTH, BATCH, STEPS = 128, 4, 2, 512, 2, 6
 
@@ -67,7 +68,7 @@ def run(attn, steps=STEPS):
         loss.backward()
         opt.step()
         torch_xla.sync()
-        torch_xla._XLAC._xla_wait_device_ops([])
+        _compat.wait_device_ops()
         times.append(time.perf_counter() - start)
         counts.append(executions() - before)
     return {"step_s": statistics.median(times[2:]), "executions_per_step": counts[-1], "loss": loss.item()}

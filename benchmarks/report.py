@@ -405,7 +405,8 @@ def _decode(r: dict) -> str:
         "dense: XLA's own estimate of dense attention in XLA ops (what SDPA lowers to), not a schedule's. Blocks: "
         "the decode plan's kv heads x keys per grid step.",
         "",
-        "| chip | cache | B | floor ms | decode | kernel alone | splash | dense (XLA's estimate) | splash / decode | blocks |",
+        "| chip | cache | B | floor ms | decode | kernel alone | splash | dense (XLA's estimate) | splash / decode "
+        "| blocks |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["steps"]:
@@ -577,7 +578,7 @@ def _tpu_time(r: dict) -> str:
         f"run fits {fitted['row_stall_us']:.3f} us and "
         + ", ".join(f"{g} {f:.3f}" for g, f in fitted["clock_factor"].items())
         + " (the backward is estimated with the forward's numbers, not fitted, and adds the HBM traffic of the XLA "
-        "ops tokamax's vjp op runs around its kernel: torch_splash_jax.calibration.Calibrated.parts).",
+        "ops tokamax's vjp op runs around its kernel: torch_splash_jax.tpu_time.calibration.Calibrated.parts).",
         "",
         "| chip, direction | entries | without the fitted numbers: median error | within 25% | clock factor "
         "| with them: median error | within 25% |",
@@ -700,7 +701,7 @@ SECTIONS = {
     ),
     "decode": (
         "Decoding: the decode kernel against the splash kernels and dense attention (TPU compiler, estimates)",
-        "Estimates, not measurements (torch_splash_jax.decode_time, docs/tpu_time.md): each program compiled "
+        "Estimates, not measurements (torch_splash_jax.tpu_time.decode, docs/tpu_time.md): each program compiled "
         "deviceless by libtpu for one device of each generation, its kernel's time read from the schedule as for "
         "the splash kernels (schedule plus HBM plus a stall per grid unit), its other ops at XLA's own estimate. "
         "The decode kernel's steps are counted at the call's key ranges (data: a shorter sequence runs fewer).",

@@ -20,7 +20,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 import torch_splash  # noqa: E402
 import torch_splash_jax  # noqa: E402
-from torch_splash import _ops, api  # noqa: E402
+from torch_splash import _compat, _ops, api  # noqa: E402
 
 CASES = {
     # name: (partition_spec, Hq, Hkv, mask, segment ids, sinks)
@@ -294,13 +294,13 @@ def main(names):
                         ((x.grad.cpu() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1)).item()
                         for x, r in zip(xla_in, ref_in)
                     ],
-                    "out_sharding": torch_xla._XLAC._get_xla_sharding_spec(out),
+                    "out_sharding": _compat.sharding_spec(out),
                     "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads, local.q_len],
                     "tpu_custom_calls": tpu_calls,
                     "tpu_fused": tpu_fused,
                     "tpu_separate_custom_calls": tpu_separate,
                     "ring_steps": ring_steps,
-                    "kv_sharding": torch_xla._XLAC._get_xla_sharding_spec(xla_in[1].grad),
+                    "kv_sharding": _compat.sharding_spec(xla_in[1].grad),
                 }
             ),
             flush=True,

@@ -86,6 +86,23 @@ def test_benchmark_docs_match_the_results_files():
     dev("bench-report", "--check")
 
 
+def test_dev_sh_m_selects_within_each_set():
+    """`./dev.sh test -m EXPR` combines EXPR with each set's own filter: a set never runs the other
+    set's tests (`-m slow` once ran the ring's slow torch_xla cases in the current set)."""
+    script = (
+        f'source <(sed -n "/^markers() {{/,/^}}/p" "{ROOT / "dev.sh"}")\n'
+        'markers xla -q -m slow -k "a or b"; echo "$MARKERS|${ARGS[*]}"\n'
+        'markers torchtpu -m"not hf"; echo "$MARKERS"\n'
+        'markers xla tests/test_ring.py; echo "$MARKERS|${ARGS[*]}"\n'
+    )
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == [
+        "(slow) and not xla|-q -k a or b",
+        "(not hf) and not torchtpu",
+        "not slow and not xla|tests/test_ring.py",
+    ]
+
+
 def test_lint():
     """`./dev.sh lint` (ruff check and ruff format --check), as CI runs it."""
     dev("lint")

@@ -17,7 +17,7 @@ from helpers import reference
 
 import torch_splash
 import torch_splash_jax
-from torch_splash.masks import CausalMask, ChunkedCausalMask, FullMask, LocalMask, PrefixMask
+from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, PrefixMask
 from torch_splash_jax import decode
 
 # float32: the kernel accumulates in float32 as SDPA does; measured errors are about 1e-7.
@@ -25,7 +25,7 @@ F32 = dict(atol=2e-5, rtol=1e-5)
 
 
 def _decode_traces() -> int:
-    return torch_splash_jax.TRACES["decode"]
+    return torch_splash_jax.kernels.TRACES["decode"]
 
 
 def _inputs(batch, hq, hkv, q_len, kv_len, d=64, dtype=torch.float32, seed=0):

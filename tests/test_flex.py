@@ -10,13 +10,12 @@ import types
 import numpy as np
 import pytest
 import torch
-from helpers import TOL, make_qkv
+from helpers import TOL, flex_reference, make_qkv
 from torch.nn.attention.flex_attention import (
     AuxRequest,
     BlockMask,
     and_masks,
     create_block_mask,
-    create_mask,
     or_masks,
 )
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
@@ -77,23 +76,6 @@ def _block_mask(case):
     return None if mask_mod is None else create_block_mask(mask_mod, b, h, q_len, kv_len, device="cpu")
 
 
-def reference(q, k, v, block_mask=None, score_mod=None):
-    """FlexAttention's definition in plain torch ops, in q's dtype (float64 here): the dense mask
-    torch's create_mask makes of the BlockMask's mask_mod, and the logsumexp, differentiable.
-    torch 2.15's flex_attention has no backward on the CPU, so gradients are checked against this."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if score_mod is not None:
-        scores = score_mod(scores, None, None, None, None)
-    if block_mask is not None:
-        b, h = block_mask.kv_num_blocks.shape[:2]
-        allowed = create_mask(block_mask.mask_mod, b, h, q.shape[2], k.shape[2], device="cpu")
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    return (scores - lse[..., None]).exp().nan_to_num(0.0) @ v, lse
-
-
 def _splash(q, k, v, block_mask, score_mod, d_out, flex=torch_splash.flex_attention):
     out, aux = flex(
         q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True)
@@ -103,7 +85,7 @@ def _splash(q, k, v, block_mask, score_mod, d_out, flex=torch_splash.flex_attent
 
 def _reference(q, k, v, block_mask, score_mod, d_out):
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = reference(q, k, v, block_mask, score_mod)
+    out, lse = flex_reference(q, k, v, block_mask, score_mod)
     return out.detach(), lse.detach(), torch.autograd.grad(out, (q, k, v), d_out.double())
 
 
@@ -234,7 +216,7 @@ def test_under_torch_compile_the_layers_passing_one_block_mask_build_its_masks_o
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert len(built) == 1
         exact_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        exact = two_layers(lambda *a, block_mask: reference(*a, block_mask)[0], *exact_inputs, block_mask)
+        exact = two_layers(lambda *a, block_mask: flex_reference(*a, block_mask)[0], *exact_inputs, block_mask)
         exact_grads = torch.autograd.grad(exact.sum(), exact_inputs)
         _assert_close_to_exact((out, None, grads), (exact, None, exact_grads), lse=False)
 
@@ -397,9 +379,9 @@ def test_documents_packed_anew_run_the_program_already_compiled():
     traces = []
     for lengths in ([700, 1000, 348], [300, 1100, 648]):
         block_mask = create_block_mask(documents([lengths], length), 1, None, length, length, device="cpu")
-        before = sum(torch_splash_jax.TRACES.values())
+        before = sum(torch_splash_jax.kernels.TRACES.values())
         got = _splash(q, k, v, block_mask, None, d_out)
-        traces.append(sum(torch_splash_jax.TRACES.values()) - before)
+        traces.append(sum(torch_splash_jax.kernels.TRACES.values()) - before)
         _assert_close_to_exact(got, _reference(q, k, v, block_mask, None, d_out))
         (oa, orr) = TOL[torch.float32]["out"]
         torch.testing.assert_close(got[0], _torch_forward(q, k, v, block_mask, None)[0], atol=oa, rtol=orr)
@@ -594,7 +576,7 @@ def test_route_flex_serves_torch_compile_of_flex_attention_made_before_it(scope)
     attend = module.FlexAttentionWrapper()
     q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 200, 200, 32, 32, torch.float32))
     block_mask = create_block_mask(sliding_window(40), None, None, 200, 200, device="cpu")
-    exact = reference(q.double(), k.double(), v.double(), block_mask)[0].float()
+    exact = flex_reference(q.double(), k.double(), v.double(), block_mask)[0].float()
     torch._dynamo.reset()
     with torch.no_grad():
         with torch_splash.route_flex(*(() if scope == "every module" else (module,))):
@@ -661,7 +643,7 @@ def train_packed_documents(device, steps=3, attend=None, compiled=False):
 def train_with_the_reference():
     """train_packed_documents on the CPU with `reference` for flex_attention, which torch 2.15
     cannot differentiate on the CPU."""
-    return train_packed_documents("cpu", attend=lambda q, k, v, block_mask: reference(q, k, v, block_mask)[0])
+    return train_packed_documents("cpu", attend=lambda q, k, v, block_mask: flex_reference(q, k, v, block_mask)[0])
 
 
 def assert_trains_like_torch(got, want):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers import make_qkv, tpu_training_kernels, xla_metric_count
 
 import torch_splash
-from torch_splash import SplashConstraintError
+from torch_splash import SplashConstraintError, _compat
 
 
 def test_both_transports_give_identical_results(xla_device):
@@ -34,7 +34,7 @@ def test_graph_transport_does_not_sync(xla_device):
     executed = xla_metric_count("ExecuteTime")
     out = torch_splash.attention(q, k, v, "causal")  # automatic: pending inputs -> graph
     assert xla_metric_count("ExecuteTime") == executed  # nothing ran yet
-    assert torch_xla._XLAC._check_tensor_need_materialization([out]) == [True]
+    assert _compat.needs_materialization_each([out]) == [True]
     expected = torch_splash.attention(*(t.cpu() * 1.5 for t in base), "causal")
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
@@ -145,8 +145,8 @@ def test_training_step_graph_for_tpu_holds_the_mosaic_kernels(xla_device, planne
     out = torch_splash.attention(q, k, v, "causal", segment_ids=ids)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert xla_metric_count("ExecuteTime") == executed
-    assert torch_xla._XLAC._get_xla_tensors_hlo([out]).count('custom_call_target="tpu_custom_call"') == 1
-    step = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+    assert _compat.pending_hlo_text([out]).count('custom_call_target="tpu_custom_call"') == 1
+    step = _compat.pending_hlo_text(list(grads))
     assert step.count('custom_call_target="tpu_custom_call"') == tpu_training_kernels(256, 256, 64)
     assert {d.platform for d in jax.devices()} == {"cpu"}
     del out, grads, q, k, v  # never executed: nothing may sync these graphs on a CPU

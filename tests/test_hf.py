@@ -209,9 +209,9 @@ def test_generation_compiles_once_per_128_cached_tokens():
     model = make_model("mistral").eval()
     ids, mask, _, _ = batch("left")
     model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # compile prefill and decode
-    before = sum(torch_splash_jax.TRACES.values())
+    before = sum(torch_splash_jax.kernels.TRACES.values())
     model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)  # 12 + 30 tokens < 128
-    assert sum(torch_splash_jax.TRACES.values()) == before
+    assert sum(torch_splash_jax.kernels.TRACES.values()) == before
 
 
 def _dense(splash_mask, q_len, kv_len):
@@ -295,6 +295,57 @@ def test_attention_function_serves_a_dense_4d_mask():
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5, enable_gqa=True)
     assert weights is None and out.is_contiguous() and out.shape == (2, 6, 4, 16)
     torch.testing.assert_close(out, expected.transpose(1, 2), atol=2e-5, rtol=0)
+
+
+def test_a_renamed_closure_variable_of_transformers_is_a_version_error(monkeypatch):
+    """The adapter reads masking_utils' closures by their captured names, which transformers does
+    not document: a release that renames one (here a stand-in factory capturing `window`) is a
+    SplashVersionError naming transformers and the name, not a KeyError."""
+    from torch_splash import _compat
+
+    def sliding_window_overlay(sliding_window):
+        window = sliding_window
+
+        def inner(batch_idx, head_idx, q_idx, kv_idx):
+            return kv_idx > q_idx - window
+
+        return inner
+
+    monkeypatch.setattr(mu, "sliding_window_overlay", sliding_window_overlay)
+    _compat._hf_factory_codes.cache_clear()
+    try:
+        with pytest.raises(torch_splash.SplashVersionError, match=r"transformers 5\..*\['sliding_window'\]"):
+            hf.splash_mask(1, 6, 6, mask_function=mu.and_masks(mu.causal_mask_function, sliding_window_overlay(3)))
+    finally:
+        _compat._hf_factory_codes.cache_clear()
+    monkeypatch.undo()
+    assert hf.splash_mask(1, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3)).mask == (
+        torch_splash.masks.LocalMask(2, 0, 0)
+    )
+
+
+def test_arguments_the_adapter_does_not_serve_warn_once_or_are_refused(monkeypatch):
+    """As transformers' sdpa adapter: output_attentions warns once (the weights are None); an
+    additive position_bias and a sliding window no mask function placed are refused, naming the
+    argument and its value, rather than silently ignored."""
+    monkeypatch.setattr(hf, "_WARNED", set())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 6, 16, generator=g) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    with pytest.warns(UserWarning, match="output_attentions=True returns None") as record:
+        for _ in range(2):
+            out, weights = hf.splash_attention_forward(module, q, k, v, None, output_attentions=True)
+    assert weights is None and len(record) == 1
+    with pytest.raises(torch_splash.SplashConstraintError, match="position_bias"):
+        hf.splash_attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 6, 6))
+    with pytest.raises(torch_splash.SplashConstraintError, match="sliding_window=3 with attention_mask=None over 6"):
+        hf.splash_attention_forward(module, q, k, v, None, sliding_window=3)
+    # a window no shorter than the keys changes nothing; with the mask function's mask it is served
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(hf.splash_attention_forward(module, q, k, v, None, sliding_window=6)[0], out)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=2e-5, rtol=0)
+    mask = hf.splash_mask(1, 6, 6, mask_function=mu.sliding_window_causal_mask_function(3))
+    hf.splash_attention_forward(module, q, k, v, mask, sliding_window=3)
 
 
 def test_training_with_attention_dropout_is_refused():
@@ -402,7 +453,7 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, planned_
     never executed): every attention layer adds its forward and backward Mosaic calls."""
     import gc
 
-    import torch_xla
+    from torch_splash import _compat
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -411,7 +462,7 @@ def test_training_step_on_tpu_would_hold_the_mosaic_kernels(xla_device, planned_
     ids, mask, _, _ = batch("right")
     loss = model(input_ids=ids.to(xla_device), attention_mask=mask.to(xla_device), labels=ids.to(xla_device)).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+    hlo = _compat.pending_hlo_text(list(grads))
     per_layer = tpu_training_kernels(ids.shape[1], ids.shape[1], SMALL["hidden_size"] // SMALL["num_attention_heads"])
     assert hlo.count('custom_call_target="tpu_custom_call"') == per_layer * SMALL["num_hidden_layers"]
     del loss, grads, model  # never executed: nothing may sync these graphs on a CPU

@@ -5,11 +5,10 @@ No TPU is reachable here, so each case runs in a fresh interpreter with torch_xl
 by a recorder (the real one would open the TPU); what is asserted is what torch_splash tells JAX
 and torch_xla, and in which order."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_python
 
 PROLOGUE = """
 import json, sys, warnings
@@ -29,9 +28,7 @@ print(json.dumps({"guard_saw_jax": calls, "platforms": jax.config.jax_platforms,
 def _run(body: str, **env) -> dict:
     script = PROLOGUE + textwrap.dedent(body) + EPILOGUE
     env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, "PJRT_DEVICE": "TPU", **env}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_python("-c", script, env=env, timeout=300)[-1]
 
 
 def test_torch_splash_first_guard_runs_before_jax_and_jax_stays_on_cpu():

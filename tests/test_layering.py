@@ -5,10 +5,14 @@
 - no import cycles among the package's modules, lazy (function-level) imports included;
 - private names (a leading underscore) of JAX, torch, torch_xla, TorchTPU, transformers or tokamax
   are reached only from the compatibility modules, and no module reaches for another module's
-  private names."""
+  private names;
+- the TPU-time tooling (torch_splash_jax.tpu_time) is never imported by the runtime: not by its
+  source, and not by `import torch_splash` and attention calls (checked in a fresh process)."""
 
 import ast
 import pathlib
+
+from helpers import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("torch_splash", "torch_splash_jax")
@@ -17,18 +21,26 @@ EXTERNAL = ("jax", "jaxlib", "torch", "torch_xla", "torch_tpu", "transformers", 
 TORCH_WORLD = ("torch", "torch_xla", "torch_tpu", "transformers")
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _modules() -> dict[str, ast.Module]:
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found[name] = ast.parse(path.read_text(), filename=str(path))
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = ast.parse(path.read_text(), filename=str(path))
     return found
+
+
+def _subpackages() -> set[str]:
+    return {_module_name(path) for package in PACKAGES for path in (ROOT / package).rglob("__init__.py")}
 
 
 def _imports(name: str, tree: ast.Module) -> list[tuple[str, list[str], int]]:
     """(module imported, names taken from it, line) for every import in the module, at any depth."""
-    package = name if name in PACKAGES else name.rsplit(".", 1)[0]
+    package = name if name in _subpackages() else name.rsplit(".", 1)[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -126,3 +138,43 @@ def test_private_names_are_reached_only_from_the_compatibility_modules():
                 if isinstance(root, ast.Name) and aliases.get(root.id, "").split(".")[0] in EXTERNAL:
                     offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
     assert not offending, "\n".join(offending)
+
+
+TOOLING = "torch_splash_jax.tpu_time"
+# Tooling on the torch side, run by users on purpose (`python -m torch_splash.fit`), never by a call.
+TORCH_SIDE_TOOLING = {"torch_splash.fit"}
+
+
+def test_the_runtime_source_never_imports_the_tpu_time_tooling():
+    modules = _modules()
+    offending = [
+        f"{name}:{line} imports {imported}"
+        for name, tree in modules.items()
+        if not name.startswith(TOOLING) and name not in TORCH_SIDE_TOOLING
+        for imported, names, line in _imports(name, tree)
+        for target in [imported, *(f"{imported}.{n}" for n in names)]
+        if target == TOOLING or target.startswith(TOOLING + ".")
+    ]
+    assert not offending, offending
+
+
+_CALLS = """
+import json, sys
+import torch
+import torch_splash
+q, k, v = (torch.randn(1, 1, 128, 32, requires_grad=True) for _ in range(3))
+torch_splash.attention(q, k, v, "causal").sum().backward()
+with torch.no_grad():
+    torch_splash.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(128, 128, dtype=torch.bool).tril())
+print(json.dumps({"modules": sorted(sys.modules)}))
+"""
+
+
+def test_import_and_attention_calls_load_none_of_the_tooling():
+    """In a fresh process (most of its time is importing torch and JAX): `import torch_splash`, a
+    forward and backward call and the SDPA drop-in's mask path load no module of the TPU-time
+    tooling, no tokamax and not the fit check."""
+    loaded = run_python("-c", _CALLS, cwd=ROOT, timeout=600)[-1]["modules"]
+    assert "torch_splash_jax.kernels" in loaded  # the calls ran the kernels
+    tooling = [m for m in loaded if m == TOOLING or m.startswith((TOOLING + ".", "tokamax", "torch_splash.fit"))]
+    assert not tooling, tooling

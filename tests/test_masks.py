@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_matches_reference, make_qkv
+from helpers import assert_matches_reference, make_qkv, mask_oracle
 
 import torch_splash
 from torch_splash.masks import (
@@ -133,7 +133,8 @@ _DENSE_3D = torch.rand(H, LQ, LKV, generator=_rng) > 0.4
 _q, _kv = torch.arange(LQ).view(1, LQ, 1), torch.arange(LKV).view(1, 1, LKV)
 KINDS = {
     "causal": (CausalMask(3), (_q + 3 >= _kv).expand(H, LQ, LKV)),
-    "local": (LocalMask(9, 2), ((_kv >= _q - 9) & (_kv <= _q + 2)).expand(H, LQ, LKV)),
+    "local": (LocalMask(9, 2, offset=-4), ((_kv >= _q - 4 - 9) & (_kv <= _q - 4 + 2)).expand(H, LQ, LKV)),
+    "chunked": (torch_splash.masks.ChunkedCausalMask(7), ((_q // 7 == _kv // 7) & (_kv <= _q)).expand(H, LQ, LKV)),
     "prefix": (torch_splash.masks.PrefixMask(10), (_kv < 10).expand(H, LQ, LKV)),
     "per-head": (MultiHeadMask((CausalMask(0), LocalMask(4))), torch.cat([_q >= _kv, (_kv >= _q - 4) & (_kv <= _q)])),
     "tensor-2d": (from_tensor(_DENSE_2D), _DENSE_2D.expand(H, LQ, LKV)),
@@ -145,6 +146,14 @@ KINDS = {
 }
 _NAMES = list(KINDS)
 PAIRS = [(a, b, "&" if (i + j) % 2 else "|") for i, a in enumerate(_NAMES) for j, b in enumerate(_NAMES) if i <= j]
+
+
+def test_the_oracle_is_the_definitions_written_out():
+    """tests/helpers.py's mask_oracle, which every reference here uses, agrees with each kind's
+    meaning written out above (neither is torch_splash's own `allows()` or `dense()`)."""
+    for name, (mask, expected) in KINDS.items():
+        got = mask_oracle(mask, LQ, LKV, heads=H).expand(H, LQ, LKV)
+        assert torch.equal(got, expected), name
 
 
 @pytest.mark.parametrize("left,right,op", PAIRS, ids=[f"{a}{op}{b}" for a, b, op in PAIRS])

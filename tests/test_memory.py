@@ -7,11 +7,10 @@ What used to grow: JAX's tracing caches keyed on the splash module's long-lived 
 entries). The kernel is now traced into each program's own jitted functions
 (torch_splash_jax.compat.call_splash_kernel), whose cache entries die with the program."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_python
 
 CACHE_SIZE = 16
 SHAPES = 160
@@ -44,11 +43,7 @@ print(json.dumps(dict(samples=samples, own_traces=len(traces))))
 
 
 def _run(env: dict) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True, text=True, timeout=900, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=900)[-1]
 
 
 def test_memory_stops_growing_over_new_shapes_with_default_settings():

@@ -9,7 +9,9 @@ included.)"""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sequence_sharding import DATA_MASKS, MASKS
+from helpers import SEQUENCE_DATA_MASKS as DATA_MASKS
+from helpers import SEQUENCE_MASKS as MASKS
+from helpers import sharded_plans
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError
@@ -18,19 +20,10 @@ from torch_splash_jax import masks as M
 _BLOCKS = torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
 
 
-def _plans(mask, length, shards, layout, **options):
-    common = dict(batch=2, q_len=length, kv_len=length, head_dim=32, dtype="float32", mask=mask, scale=0.2)
-    full = torch_splash_jax.plan(num_q_heads=4, **common, **options)
-    ring = torch_splash_jax.plan(
-        num_q_heads=4, q_shards=shards, sequence_layout=layout, context_parallel="ring", **common, **options
-    )
-    return full, ring
-
-
 def ring_reproduces_the_unsharded_call(mask, length, shards, layout, kv_heads=2, ids=False, sinks=False):
     """Runs the unsharded program, then the ring device by device, and compares."""
-    options = dict(num_kv_heads=kv_heads, has_segment_ids=ids, has_sinks=sinks, block_sizes=_BLOCKS)
-    full, plan = _plans(mask, length, shards, layout, **options)
+    options = dict(kv_heads=kv_heads, has_segment_ids=ids, has_sinks=sinks, block_sizes=_BLOCKS)
+    full, plan = sharded_plans(mask, length, shards, layout, context_parallel="ring", **options)
     rng = np.random.default_rng(0)
     q, k, v, d_out = (
         jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -199,13 +192,13 @@ def test_what_the_ring_cannot_serve_is_refused_when_planned(options, match):
 def test_ring_steps_without_work_skip_their_kernels():
     # causal over contiguous shards: at step s only the devices from s on see earlier keys; the
     # others' tables are empty, which the step's lax.cond reads to skip the kernels there
-    _, plan = _plans(M.CausalMask(), 4096, 4, "contiguous", block_sizes=_BLOCKS)
+    _, plan = sharded_plans(M.CausalMask(), 4096, 4, "contiguous", context_parallel="ring", block_sizes=_BLOCKS)
     ring = torch_splash_jax.program(plan)
     assert [ring.steps[s].devices_with_work() for s in range(4)] == [[d >= s for d in range(4)] for s in range(4)]
     tables = [jnp.asarray(t) for t in ring.steps[1].device_tables(0)]
     assert not ring.steps[1].has_work(tables)  # traced: the conditional decides on the device
     # balanced: every device has work at every step, so the steps have no conditional at all
-    _, balanced = _plans(M.CausalMask(), 4096, 4, "balanced", block_sizes=_BLOCKS)
+    _, balanced = sharded_plans(M.CausalMask(), 4096, 4, "balanced", context_parallel="ring", block_sizes=_BLOCKS)
     ring = torch_splash_jax.program(balanced)
     assert all(ring.steps[s].has_work([]) is True for s in range(4))
 

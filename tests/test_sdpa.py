@@ -283,3 +283,60 @@ def test_causal_bias_with_is_causal_is_sdpa_s_value_error():
     for fn in (SDPA, torch_splash.scaled_dot_product_attention):
         with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
             fn(q, k, v, attn_mask=causal_upper_left(16, 16), is_causal=True)
+
+
+def test_the_drop_in_assigned_over_torch_s_sdpa_works(monkeypatch):
+    """Installed the common way, `F.scaled_dot_product_attention = torch_splash.scaled_dot_product_attention`
+    (monkeypatch restores torch's function even when the test fails). The drop-in reaches torch's
+    own SDPA for its input checks without that name, so calls through the name (a user's model,
+    torch's own nn.MultiheadAttention, CausalBias masks) run splash and match torch's SDPA, SDPA's
+    rejections keep their types, and route_sdpa still serves calls inside it. The references are
+    computed before the assignment: torch's own CausalBias dispatch calls SDPA by that name."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    calls = []
+    original = torch_splash.sdpa.attention
+    monkeypatch.setattr(torch_splash.sdpa, "attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    torch.manual_seed(0)
+    # Shapes shared with the cases below, so that few programs are compiled.
+    model, mha = TinyAttentionModel(), nn.MultiheadAttention(64, 4, batch_first=True)
+    x, y = torch.randn(2, 24, 64), torch.randn(2, 24, 64)
+    causal = torch.ones(24, 24, dtype=torch.bool).triu(1)  # MHA's masks: True hides
+
+    def models():
+        return [model(x), mha(y, y, y, attn_mask=causal, need_weights=False)[0]]
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 24, 16, generator=g) for _ in range(3))
+    k_gqa, v_gqa = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(2))
+    mask = torch.rand(1, 4, 24, 24, generator=g) > 0.4  # one call: the same for every batch element
+    mask[..., 0] = True
+    cases = [
+        ((q, k, v), {}),
+        ((q, k, v), {"is_causal": True}),
+        ((q, k, v), {"attn_mask": mask}),
+        ((q, k, v), {"attn_mask": torch.zeros(24, 24).masked_fill(~mask[0, 0], float("-inf"))}),
+        ((q, k, v), {"attn_mask": causal_upper_left(24, 24)}),
+        ((q, k_gqa, v_gqa), {"attn_mask": causal_lower_right(24, 40), "enable_gqa": True}),
+    ]
+    with torch.no_grad():
+        refs = models() + [SDPA(*args, **kwargs) for args, kwargs in cases]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", torch_splash.scaled_dot_product_attention)
+    assert torch.nn.functional.scaled_dot_product_attention is torch_splash.scaled_dot_product_attention
+    with torch.no_grad():
+        outs = models() + [F.scaled_dot_product_attention(*args, **kwargs) for args, kwargs in cases]
+    assert len(calls) == len(outs)  # each went through splash, none recursed
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for case, (args, kwargs) in _rejected_by_sdpa().items():
+        with pytest.raises(RuntimeError) as raised:
+            F.scaled_dot_product_attention(*args, **kwargs)
+        assert not isinstance(raised.value, torch_splash.SplashError), case
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(24, 24), is_causal=True)
+    calls.clear()
+    with torch_splash.route_sdpa(), warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")  # served, no fallback
+        torch.testing.assert_close(model(x), refs[0], atol=2e-5, rtol=1e-5)
+    assert len(calls) == 1

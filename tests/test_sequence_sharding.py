@@ -7,51 +7,14 @@ with per-head masks. (tests/test_spmd.py runs the same through torch_xla SPMD on
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SEQUENCE_DATA_MASKS, SEQUENCE_MASKS, sharded_plans
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError
 from torch_splash_jax import masks as M
 
-MASKS = {
-    "causal": M.CausalMask(),
-    "causal-offset": M.CausalMask(offset=-40),
-    "local": M.LocalMask(100, 0),
-    "local-two-sided": M.LocalMask(30, 50),
-    "chunked": M.ChunkedCausalMask(96),
-    "prefix-lm": M.CausalMask() | M.PrefixMask(70),
-    "window-and-causal": M.CausalMask() & M.LocalMask(64),
-    "full": M.FullMask(),
-}
+MASKS, DATA_MASKS = SEQUENCE_MASKS, SEQUENCE_DATA_MASKS
 _BALANCED_SLOW = {"full", "prefix-lm", "local-two-sided", "window-and-causal"}
-_RNG = np.random.default_rng(7)
-_HOLES = [_RNG.random((1040, 1040)) < 0.97 for _ in range(3)]  # causal with holes: partial blocks everywhere
-DATA_MASKS = {  # the kernel reads these from stored partial blocks, not a mask function
-    "per-head": M.MultiHeadMask([M.CausalMask(), M.LocalMask(100, 0), M.ChunkedCausalMask(96), M.CausalMask(-40)]),
-    "tensor": M.DenseMask(np.tril(_HOLES[0])),
-    "per-head-tensor-and-structured": M.MultiHeadMask(
-        [M.DenseMask(np.tril(h)) for h in _HOLES[1:]] + [M.CausalMask() & M.DenseMask(_HOLES[0]), M.LocalMask(64, 64)]
-    ),
-}
-
-
-def _plans(mask, length, shards, layout, head_shards=1, **options):
-    """The unsharded plan, and the plan of one device of `shards` sequence shards and
-    `head_shards` head shards (its heads; the mask is every head's)."""
-    kv_heads = options.pop("kv_heads", 2)
-    common = dict(
-        batch=2, kv_len=length, q_len=length, head_dim=32, head_dim_v=32, dtype="float32", mask=mask, scale=0.2
-    )
-    full = torch_splash_jax.plan(num_q_heads=4, num_kv_heads=kv_heads, **common, **options)
-    sharded = torch_splash_jax.plan(
-        num_q_heads=4 // head_shards,
-        num_kv_heads=max(kv_heads // head_shards, 1),
-        q_shards=shards,
-        sequence_layout=layout,
-        head_shards=head_shards,
-        **common,
-        **options,
-    )
-    return full, sharded
 
 
 def _devices_reproduce_the_unsharded_call(
@@ -59,7 +22,7 @@ def _devices_reproduce_the_unsharded_call(
 ):
     """Runs the unsharded program, then each device's (sequence shard s, head shard g) program on
     its rows, heads and tables, and compares."""
-    full, sharded = _plans(
+    full, sharded = sharded_plans(
         mask,
         length,
         shards,
@@ -158,8 +121,8 @@ def test_head_shards_with_per_head_masks_take_their_heads_tables(sequence_shards
 
 
 def test_balanced_layout_evens_causal_blocks():
-    _, contiguous = _plans(M.CausalMask(), 8192, 4, "contiguous", platform="tpu")
-    _, balanced = _plans(M.CausalMask(), 8192, 4, "balanced", platform="tpu")
+    _, contiguous = sharded_plans(M.CausalMask(), 8192, 4, "contiguous", platform="tpu")
+    _, balanced = sharded_plans(M.CausalMask(), 8192, 4, "balanced", platform="tpu")
     plain, even = (torch_splash_jax.program(p).blocks_per_shard() for p in (contiguous, balanced))
     assert sum(plain) == sum(even) and len(set(even)) == 1
     assert plain == sorted(plain) and plain[-1] > 1.5 * even[0]  # the last contiguous shard does most
@@ -175,4 +138,4 @@ def test_balanced_layout_evens_causal_blocks():
 )
 def test_sequence_shards_that_do_not_divide_are_refused(length, shards, layout, match):
     with pytest.raises(SplashConstraintError, match=match):
-        _plans(M.CausalMask(), length, shards, layout)
+        sharded_plans(M.CausalMask(), length, shards, layout)

@@ -3,14 +3,12 @@ sharded on batch, heads and the query sequence (contiguous and balanced), shard-
 unsharded call; the shard-local programs lowered for TPU; and the errors for what cannot be
 sharded."""
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_python
 
 import torch_splash
 
@@ -64,9 +62,7 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def worker_results():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=1200, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines = run_python(str(WORKER), env=env, timeout=1200)
     return {r.get("case", r.get("error")): r for r in lines}
 
 

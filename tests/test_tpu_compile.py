@@ -19,8 +19,10 @@ import sys
 import hypothesis
 import hypothesis.strategies as st
 import pytest
+from helpers import run_python
 
-from torch_splash_jax import aot, mosaic
+from torch_splash_jax import mosaic
+from torch_splash_jax.tpu_time import aot
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "tpu_compile_worker.py"
@@ -182,16 +184,7 @@ def _environment() -> dict:
 
 
 def _worker(*args, stdin=None, timeout=1800) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_environment(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return run_python(str(WORKER), *args, stdin=stdin, timeout=timeout, env=_environment())
 
 
 def _lines(cases) -> str:

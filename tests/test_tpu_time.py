@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import torch_splash_jax
-from torch_splash_jax import schedule, tpu_time
+from torch_splash_jax import tpu_time
 from torch_splash_jax.errors import SplashConstraintError
 from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES
+from torch_splash_jax.tpu_time import schedule
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -104,8 +105,8 @@ def test_kernel_time_counts_each_region_for_the_steps_that_run_it(tmp_path, monk
     assert t.schedule_seconds == pytest.approx(t.bundles / tpu_time.CHIPS["v5p"].clock)
     assert t.rows == 2 * 2 and t.steps == 2 * 10
     assert t.seconds == t.uncorrected_seconds == pytest.approx(t.schedule_seconds)  # no bytes moved
-    monkeypatch.setattr(tpu_time, "CLOCK_FACTOR", {"v5p": 1.5})
-    monkeypatch.setattr(tpu_time, "ROW_STALL", 1e-6)
+    monkeypatch.setattr(tpu_time.chips, "CLOCK_FACTOR", {"v5p": 1.5})
+    monkeypatch.setattr(tpu_time.chips, "ROW_STALL", 1e-6)
     fitted = tpu_time.kernel_time(s, work, "v5p")
     assert fitted.seconds == pytest.approx(1.5 * t.schedule_seconds + 4 * 1e-6)
     assert fitted.uncorrected_seconds == pytest.approx(t.seconds)
@@ -197,7 +198,8 @@ def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
 
 MXU_BOUND = """
 import json, sys
-from torch_splash_jax import calibration, tpu_time
+from torch_splash_jax import tpu_time
+from torch_splash_jax.tpu_time import calibration
 heads, dim = int(sys.argv[3]), int(sys.argv[4])
 shape = (1, 4096, heads, dim)
 config = dict(block_q=2048, block_kv=2048, block_kv_compute=int(sys.argv[2]), q_layout=1, k_layout=2, v_layout=1,
@@ -235,7 +237,7 @@ def test_an_mxu_bound_kernel_carries_the_chip_s_multiply_adds_per_bundle(generat
 
 BACKWARD_ENTRY = """
 import json, sys
-from torch_splash_jax import calibration
+from torch_splash_jax.tpu_time import calibration
 (result,) = calibration.calibrate("v7x", "backward", only=sys.argv[1], log=lambda line: None)
 print(json.dumps(dict(kinds=[k.kind for k in result.estimate.kernels], around=result.estimate.rest_hbm_seconds,
                       estimate=result.seconds(*calibration._constants("v7x")), measured=result.entry.measured_ms)))

@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_checked_bounds_are_the_declared_ones_and_nothing_is_capped():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    requirements = [f"python{project['requires-python']}", *project["dependencies"]]
+    hf_extra = project["optional-dependencies"]["hf"]
+    requirements = [f"python{project['requires-python']}", *project["dependencies"], *hf_extra]
     declared = {}
     for requirement in requirements:
         name, low = re.fullmatch(r"([\w-]+)>=([\d.]+)", requirement).groups()
@@ -35,7 +36,7 @@ def test_the_checked_bounds_are_the_declared_ones_and_nothing_is_capped():
 def test_the_tested_releases_are_the_locked_ones():
     locked = {}
     for lock in (ROOT / "locks").glob("*.txt"):
-        for name, version in re.findall(r"^(torch|jax|jaxlib|numpy)==([\d.]+)$", lock.read_text(), re.M):
+        for name, version in re.findall(r"^(torch|jax|jaxlib|numpy|transformers)==([\d.]+)$", lock.read_text(), re.M):
             locked[name] = max(locked.get(name, version), version, key=compat.release)
     assert locked == {name: v for name, v in compat.TESTED.items() if name != "python"}
 
@@ -43,11 +44,12 @@ def test_the_tested_releases_are_the_locked_ones():
 def test_the_installed_set_passes_the_check_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compat.check_versions(("python", "torch", "jax", "jaxlib", "numpy"))
+        compat.check_versions(("python", "torch", "jax", "jaxlib", "numpy", "transformers"))
 
 
 @pytest.mark.parametrize(
-    "name,found", [("jax", "0.6.2"), ("torch", "2.8.0"), ("numpy", "1.26.4"), ("python", "3.10.4")]
+    "name,found",
+    [("jax", "0.6.2"), ("torch", "2.8.0"), ("numpy", "1.26.4"), ("python", "3.10.4"), ("transformers", "4.57.1")],
 )
 def test_an_older_version_is_refused_naming_both(monkeypatch, name, found):
     monkeypatch.delenv(compat.ALLOW_UNTESTED, raising=False)
@@ -65,7 +67,8 @@ def test_an_older_version_is_refused_naming_both(monkeypatch, name, found):
 
 
 @pytest.mark.parametrize(
-    "name,found", [("jax", "0.13.0"), ("torch", "2.16.0"), ("numpy", "3.0.0"), ("python", "3.14.0")]
+    "name,found",
+    [("jax", "0.13.0"), ("torch", "2.16.0"), ("numpy", "3.0.0"), ("python", "3.14.0"), ("transformers", "5.25.0")],
 )
 def test_a_newer_version_than_the_tested_warns_once(monkeypatch, name, found):
     monkeypatch.delenv(compat.ALLOW_UNTESTED, raising=False)

@@ -1,5 +1,5 @@
 """Run by tests/test_tpu_compile.py in processes of its own, with libtpu importable
-(`torch_splash_jax.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
+(`torch_splash_jax.tpu_time.aot.environment`): the real TPU compiler, deviceless, on what torch_splash hands
 torch_xla. Prints one JSON line per result.
 
     programs GEN[,GEN...]   one JSON case per line on stdin: each case's forward, backward and
@@ -150,7 +150,7 @@ def _in_graph_module(program, plan, kind, version):
     matters to a torch_xla that set does not have."""
     import importlib.util
 
-    from torch_splash_jax import aot
+    from torch_splash_jax.tpu_time import aot
     from torch_splash_jax.transport import hlo_module, lowered
 
     fn, args = getattr(program, kind), program_args(plan, kind, _tables(program))
@@ -183,7 +183,8 @@ def _export_as_torchtpu(fn, args: tuple, mosaic_version: int):
 
 def _torchtpu_module(program, plan, kind, version):
     """The StableHLO module TorchTPU's jax_op registers with its runtime, and how it compiles."""
-    from torch_splash_jax import aot, compat, mosaic
+    from torch_splash_jax import compat, mosaic
+    from torch_splash_jax.tpu_time import aot
 
     exported = _export_as_torchtpu(
         getattr(program, kind),
@@ -282,7 +283,7 @@ def step(spmd: bool) -> None:
     import torch_splash
     from torch_splash import _compat
     from torch_splash.fit import planned_for_tpu
-    from torch_splash_jax import aot
+    from torch_splash_jax.tpu_time import aot
 
     with planned_for_tpu():  # plan and lower the kernels for TPU
         device = torch_xla.device()

@@ -122,6 +122,16 @@ def dynamic_size(minimum: int):
         return size
 
 
+def torch_sdpa():
+    """torch's own SDPA: the builtin that `torch.nn.functional.scaled_dot_product_attention` is
+    bound to (the same object, torch 2.9 and 2.15). Reached here rather than through that
+    attribute, which users rebind to install the drop-in: looking it up there would call the
+    drop-in itself."""
+    import torch
+
+    return torch._C._nn.scaled_dot_product_attention
+
+
 def tensor_version(t) -> int:
     """The version counter torch bumps on every in-place change of a tensor (and of its views)."""
     return t._version
@@ -169,6 +179,20 @@ def pending_hlo_text(tensors) -> str:
     return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
+def buffer_pointer(tensor) -> int:
+    """The device buffer address of a materialised torch_xla tensor (tests: DLPack shares it)."""
+    import torch_xla
+
+    return torch_xla._XLAC._unsafe_buffer_pointer(tensor)
+
+
+def wait_device_ops() -> None:
+    """Wait until every device has finished the work queued on it (benchmarks' timings)."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_wait_device_ops([])
+
+
 def in_graph_function(name: str, hlo_module_proto: bytes):
     """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
     import torch_xla.core.xla_builder as xla_builder
@@ -179,33 +203,66 @@ def in_graph_function(name: str, hlo_module_proto: bytes):
 
 # --- transformers (masking_utils' mask closures) -------------------------------------------------
 
-# The masking_utils factories whose closures the HF adapter reads (torch_splash.hf), by one call each.
+# The masking_utils factories whose closures the HF adapter reads (torch_splash.hf): one call of
+# each, to find the code its closures share, and the variables it captures that the adapter reads.
 _HF_FACTORIES = {
-    "and_masks": lambda mu: mu.and_masks(mu.causal_mask_function),
-    "sliding_window_overlay": lambda mu: mu.sliding_window_overlay(1),
-    "sliding_window_bidirectional_overlay": lambda mu: mu.sliding_window_bidirectional_overlay(1),
-    "chunked_overlay": lambda mu: mu.chunked_overlay(1, None),
-    "packed_sequence_mask_function": lambda mu: mu.packed_sequence_mask_function(None),
-    "remap_positions_for_packed_sequence": lambda mu: mu.remap_positions_for_packed_sequence(
-        mu.causal_mask_function, None
+    "and_masks": (lambda mu: mu.and_masks(mu.causal_mask_function), ("mask_functions",)),
+    "sliding_window_overlay": (lambda mu: mu.sliding_window_overlay(1), ("sliding_window",)),
+    "sliding_window_bidirectional_overlay": (
+        lambda mu: mu.sliding_window_bidirectional_overlay(1),
+        ("sliding_window",),
+    ),
+    "chunked_overlay": (lambda mu: mu.chunked_overlay(1, None), ("chunk_size", "left_padding")),
+    "packed_sequence_mask_function": (
+        lambda mu: mu.packed_sequence_mask_function(None),
+        ("packed_sequence_mask",),
+    ),
+    "remap_positions_for_packed_sequence": (
+        lambda mu: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None),
+        ("mask_function", "position_ids"),
     ),
 }
+
+
+def _transformers_moved(what: str, error: object):
+    from torch_splash_jax import SplashVersionError
+    from torch_splash_jax.compat import installed
+
+    return SplashVersionError(
+        f"transformers {installed('transformers')}: {what} ({error}). torch_splash.hf reads transformers' "
+        f"mask functions there, checked against transformers {', '.join(CHECKED['transformers'])}: install one "
+        "of those (pip install 'torch_splash[hf]'), or use attn_implementation='sdpa' with this transformers."
+    )
 
 
 @functools.cache
 def _hf_factory_codes() -> dict:
     from transformers import masking_utils
 
-    return {make(masking_utils).__code__: name for name, make in _HF_FACTORIES.items()}
+    codes = {}
+    for name, (make, _) in _HF_FACTORIES.items():
+        try:
+            codes[make(masking_utils).__code__] = name
+        except (AttributeError, TypeError) as error:
+            raise _transformers_moved(f"masking_utils.{name} is not the mask-function factory it was", error) from None
+    return codes
 
 
 def hf_mask_closure(fn) -> tuple[str | None, dict]:
     """Which transformers masking_utils factory made the mask function `fn` (its name, or None),
-    and the variables the closure captured, by name. Every closure a factory returns shares the
-    factory's code object, which identifies it; the captured names are the factory's locals, which
-    transformers does not document (checked: CHECKED["transformers"])."""
+    and the variables of its closure the adapter reads, by name. Every closure a factory returns
+    shares the factory's code object, which identifies it; the captured names are the factory's
+    locals, which transformers does not document (checked: CHECKED["transformers"]): one that is
+    gone is a SplashVersionError naming transformers."""
     code = getattr(fn, "__code__", None)
     factory = _hf_factory_codes().get(code) if code is not None else None
     if factory is None:
         return None, {}
-    return factory, dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    wanted = _HF_FACTORIES[factory][1]
+    missing = [name for name in wanted if name not in cells]
+    if missing:
+        raise _transformers_moved(
+            f"the closures of masking_utils.{factory} no longer capture {missing}", f"they capture {sorted(cells)}"
+        )
+    return factory, {name: cells[name] for name in wanted}

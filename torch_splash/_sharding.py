@@ -162,13 +162,11 @@ class Sharding:
     def _relaid(self, local: list[torch.Tensor], roles, to_balanced: bool) -> list[torch.Tensor]:
         """In the balanced layout, the shards of sequence-sharded tensors exchanged between the
         devices of the sequence axis, from the caller's order into the balanced one or back. The
-        caller's tensors stay in order: only the manual region sees the balanced layout. (Slicing
-        and concatenating the global tensors instead, XLA's SPMD partitioner moved 1/S of each
-        chunk at a time, and libtpu started all of those permutes at once: 0.9 GiB of them in
-        flight at 256K tokens over 16 chips.) Tensors entering move one after another: in the
-        ring's backward, q, out and d_out moving at once were the step's peak (the TPU compiler,
-        bench_context_parallel.py at 1M tokens over v5e:4x4: 2.94 GiB per chip, 2.82 in turn);
-        tensors leaving move as each is ready."""
+        caller's tensors stay in order: only the manual region sees the balanced layout. Halves
+        move by explicit permutes, since XLA's SPMD partitioner, left to reorder global tensors,
+        starts many small permutes at once and holds them all. Tensors entering move one after
+        another, since all of them exist before the exchange and moving them at once keeps each
+        alive twice; tensors leaving move as each is ready (measurements: docs/design.md, SPMD)."""
         if self.layout != "balanced":
             return local
         # the sequence's dim in each tensor whose rows are sequence rows, as `spec` shards it (kv

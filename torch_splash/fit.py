@@ -37,7 +37,8 @@ import warnings
 
 import torch
 
-from torch_splash_jax import SplashConstraintError, aot, compat, mosaic
+from torch_splash_jax import SplashConstraintError, compat, mosaic
+from torch_splash_jax.tpu_time import aot
 
 from . import _compat, _transport
 from ._transport import planned_for_tpu
@@ -173,7 +174,7 @@ def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool = True, *
 
 def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Report:
     """Compile a torch_xla step's HLO text for `partitions` chips of `topology`, in a process of
-    its own (libtpu there, never here) that imports JAX but not torch (torch_splash_jax.aot's
+    its own (libtpu there, never here) that imports JAX but not torch (torch_splash_jax.tpu_time.aot's
     command line): importing torch and torch_splash cost that process about 7 of its 15 seconds."""
     generation, name = parse_topology(topology)
     env = aot.environment(str(libtpu_dir()))
@@ -182,7 +183,8 @@ def compile_step_hlo(hlo_text: str, topology: str, partitions: int = 1) -> Repor
         f.write(hlo_text)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "torch_splash_jax.aot", f.name, "--topology", name, "--partitions", str(partitions)],
+            [sys.executable, "-m", "torch_splash_jax.tpu_time.aot", f.name,
+             "--topology", name, "--partitions", str(partitions)],
             capture_output=True, text=True, env=env, timeout=3600,
         )  # fmt: skip
     finally:

@@ -18,19 +18,25 @@ Tested with transformers 5.24.0 (the pinned version).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
-from transformers import AttentionInterface
-from transformers import masking_utils as mu
-from transformers.masking_utils import AttentionMaskInterface
 
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, SplashDtypeError
+from torch_splash_jax import compat as _jax_compat
 
 from . import _compat
 from . import masks as _masks
 from .api import attention
 from .sdpa import masked_attention
+
+try:
+    from transformers import AttentionInterface
+    from transformers import masking_utils as mu
+    from transformers.masking_utils import AttentionMaskInterface
+finally:  # an older transformers than supported is named, whether its import failed or not
+    _jax_compat.check_versions(("transformers",))
 
 NAME = "splash"
 
@@ -248,6 +254,37 @@ def _decode_mask(batch_size, kv_length, offset, left, right, same_segment, kv_va
     )
 
 
+_WARNED: set[str] = set()
+
+
+def _refuse_unserved(module, key, attention_mask, kwargs) -> None:
+    """What transformers' sdpa adapter warns about or serves and splash cannot, said before any work:
+    attention weights (output_attentions=True: sdpa warns once and returns None, and so does splash),
+    an additive position bias (T5-style models: sdpa adds it to its mask; splash has no bias input),
+    and a sliding window when no mask function ran (attention_mask None): the window then lives only
+    in this argument, which sdpa ignores, and splash refuses rather than attend past it."""
+    if kwargs.get("output_attentions") and "output_attentions" not in _WARNED:
+        _WARNED.add("output_attentions")
+        warnings.warn(
+            "torch_splash.hf: splash attention does not compute attention weights, so output_attentions=True "
+            "returns None for them (as transformers' sdpa does). Use attn_implementation='eager' to get them.",
+            stacklevel=3,
+        )
+    if kwargs.get("position_bias") is not None:
+        raise SplashConstraintError(
+            f"{type(module).__name__} passes position_bias, an additive attention bias: splash attention has no "
+            "input for one. Load this model with attn_implementation='sdpa' or 'eager'."
+        )
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        raise SplashConstraintError(
+            f"{type(module).__name__} passes sliding_window={window} with attention_mask=None over {key.shape[2]} "
+            "keys: no mask function ran, so splash cannot tell where the window lies. Let transformers build the "
+            "mask (load the model with attn_implementation='splash', or torch_splash.hf.patch(model), and pass "
+            "the model's attention_mask), or use attn_implementation='sdpa'."
+        )
+
+
 def splash_attention_forward(
     module,
     query,
@@ -262,7 +299,12 @@ def splash_attention_forward(
     **kwargs,
 ):
     """The "splash" entry of AttentionInterface: query (B, Hq, Lq, D), key/value (B, Hkv, Lkv, D),
-    KV heads not repeated, s_aux (Hq,) attention sinks; returns ((B, Lq, Hq, D) contiguous, None)."""
+    KV heads not repeated, s_aux (Hq,) attention sinks; returns ((B, Lq, Hq, D) contiguous, None).
+    Of the other keyword arguments models pass, those that change the result and that splash does
+    not serve warn once (output_attentions) or raise (see `_refuse_unserved`); the rest describe
+    what the mask function already read (position_ids, cache positions) or the flash kernels'
+    layouts, which transformers' own sdpa adapter ignores too."""
+    _refuse_unserved(module, key, attention_mask, kwargs)
     if dropout:
         raise SplashConstraintError(
             f"{type(module).__name__} has attention dropout {dropout} in training: splash attention has no "

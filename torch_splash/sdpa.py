@@ -12,13 +12,17 @@ import contextlib
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from torch_splash_jax import SplashConstraintError, SplashDtypeError, SplashError
 
+from . import _compat
 from . import masks as _masks
 from .api import attention
+
+# torch's own function, whatever `torch.nn.functional.scaled_dot_product_attention` is bound to now:
+# users install the drop-in by assigning it there.
+_TORCH_SDPA = _compat.torch_sdpa()
 
 
 def _causal_bias_mask(bias: CausalBias, q_len: int, kv_len: int) -> _masks.Mask:
@@ -75,25 +79,27 @@ def _shared_mask(mask: torch.Tensor) -> _masks.Mask:
 
 def _reject_like_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> None:
     """What torch's SDPA itself rejects, with its own error types and messages, so that code
-    written for SDPA catches what it always caught: torch's SDPA runs on meta copies of the inputs
-    (its input checks, no compute). Splash's own errors are left for what SDPA serves and splash
-    cannot. Two refusals torch's meta path does not make are made here: integer inputs (torch 2.9's
-    meta path accepts them) and attn_mask with is_causal (an error torch documents; its CPU math
-    path computes something equal to neither mask)."""
+    written for SDPA catches what it always caught: torch's own SDPA (`_TORCH_SDPA`, never the name
+    the drop-in may be assigned to) runs on meta copies of the inputs (its input checks, no
+    compute). Splash's own errors are left for what SDPA serves and splash cannot. Three refusals
+    torch's meta path does not make are made here: a CausalBias with is_causal (torch's CausalBias
+    dispatch makes it, and that dispatch calls SDPA by the rebindable name), integer inputs (torch
+    2.9's meta path accepts them) and attn_mask with is_causal (an error torch documents; its CPU
+    math path computes something equal to neither mask)."""
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(
             "scaled_dot_product_attention(): query, key and value must be tensors, got "
             f"{', '.join(type(t).__name__ for t in tensors)}."
         )
+    if isinstance(attn_mask, CausalBias) and is_causal:
+        raise ValueError("CausalBias should not be used with causal=True")  # torch's CausalBias dispatch
     if not torch.compiler.is_compiling():  # under compile the fake tensors are checked by the ops
         meta = [t.detach().to("meta") for t in tensors]
-        mask = attn_mask if attn_mask is None or isinstance(attn_mask, CausalBias) else None
+        mask = None  # a CausalBias's lengths are checked by splash; its dispatch would call the drop-in
         if isinstance(attn_mask, torch.Tensor) and _is_plain(attn_mask):
             mask = attn_mask.detach().to("meta")  # other subclasses and non-tensors: refused below, by splash
-        torch.nn.functional.scaled_dot_product_attention(
-            *meta, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        _TORCH_SDPA(*meta, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if any(not t.dtype.is_floating_point for t in tensors):
         raise RuntimeError(f"Expected query, key and value to be floating point, but got {query.dtype}.")
     if is_causal and attn_mask is not None and not isinstance(attn_mask, CausalBias):
@@ -207,7 +213,10 @@ class _RouteSDPA(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        query = args[0] if args else kwargs.get("query")
+        # Meta tensors: the drop-in's own input check (_reject_like_sdpa), reached when the drop-in is
+        # also assigned over torch's name; nothing splash could serve.
+        if func is not _TORCH_SDPA or getattr(query, "device", None) == torch.device("meta"):
             return func(*args, **kwargs)
         try:
             return scaled_dot_product_attention(*args, **kwargs)

@@ -1,4 +1,9 @@
-"""The JAX side of torch_splash: block planning, masks and the splash programs. Never imports torch."""
+"""The JAX side of torch_splash: block planning, masks and the splash programs. Never imports torch.
+
+`__all__` is what a caller uses: the masks, `BlockSizes`, `plan(...)` (a `Plan`), `program(plan)`
+(its `Program`: forward, infer, backward; a `DecodePlan`'s: forward), `decode` (the decode kernel's
+plan and default rule), `balanced_chunk_order` and the errors. The other names
+imported here serve torch_splash (its checks, padding and the empty-row logsumexp)."""
 
 from . import compat
 from .errors import SplashConstraintError, SplashDtypeError, SplashError, SplashVersionError
@@ -7,7 +12,8 @@ compat.check_versions()
 
 from . import decode
 from .decode import DecodePlan
-from .kernels import EMPTY_ROW_LSE, TRACES, Program
+from .kernels import EMPTY_ROW_LSE as EMPTY_ROW_LSE  # for torch_splash
+from .kernels import Program
 from .masks import (
     BlockSparseMask,
     CausalMask,
@@ -19,15 +25,10 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import (
-    BlockSizes,
-    Plan,
-    balanced_chunk_order,
-    check_context_parallel,
-    check_sequence_layout,
-    lane_padded,
-    plan,
-)
+from .plan import BlockSizes, Plan, balanced_chunk_order, plan
+from .plan import check_context_parallel as check_context_parallel  # for torch_splash
+from .plan import check_sequence_layout as check_sequence_layout  # for torch_splash
+from .plan import lane_padded as lane_padded  # for torch_splash
 from .programs import program
 
 __all__ = [
@@ -37,24 +38,19 @@ __all__ = [
     "ChunkedCausalMask",
     "DecodePlan",
     "DenseMask",
-    "EMPTY_ROW_LSE",
+    "FullMask",
     "LocalMask",
     "Mask",
     "MultiHeadMask",
-    "PrefixMask",
-    "FullMask",
     "Plan",
+    "PrefixMask",
     "Program",
     "SplashConstraintError",
     "SplashDtypeError",
     "SplashError",
     "SplashVersionError",
-    "TRACES",
     "balanced_chunk_order",
-    "check_context_parallel",
-    "check_sequence_layout",
     "decode",
-    "lane_padded",
     "plan",
     "program",
 ]

@@ -8,16 +8,18 @@ TorchTPU stand-in of the tests replaces TorchTPU's kernel runtime. Each entry be
 reaches for; `CHECKED` says which releases it was checked against. When a release moves one, the
 failure is a `SplashVersionError` naming the entry, the version found and the versions checked.
 
-`SUPPORTED` holds the lower bounds pyproject.toml declares (a test keeps the two equal), and
-`TESTED` the newest releases the tested sets in locks/ hold. `check_versions` refuses, at import, a
-Python, torch, JAX, jaxlib or numpy older than its bound (unless $TORCH_SPLASH_ALLOW_UNTESTED=1
+`SUPPORTED` holds the lower bounds pyproject.toml declares (its dependencies and the `hf` extra's
+transformers; a test keeps them equal), and `TESTED` the newest releases the tested sets in locks/
+hold. `check_versions` refuses, at import, a Python, torch, JAX, jaxlib or numpy older than its
+bound (transformers when `torch_splash.hf` is imported) (unless $TORCH_SPLASH_ALLOW_UNTESTED=1
 turns the refusal into a warning), and warns once about a release newer than the tested one: no
 upper bound is declared where no break is known (a bound makes pip downgrade the user's framework).
 The breaks that are known are named where they bind: torch_xla 2.9's (TORCH_XLA_NEEDS).
 
 Nothing here is imported at import time beyond the standard library: JAX entries import JAX when
-used, and the TorchTPU entries, called only by torch_splash's transport and the tests, import it
-when called (torch_splash_jax itself never imports torch).
+used. TorchTPU's one entry is a module name (`TORCHTPU_PALLAS_MODULE`, the kernel runtime the
+tests replace with a CPU stand-in); nothing here imports TorchTPU (torch_splash_jax never imports
+torch).
 """
 
 from __future__ import annotations
@@ -31,10 +33,25 @@ import sys
 import threading
 import warnings
 
-# Lower bounds: the same as pyproject.toml's `dependencies` and `requires-python`.
-SUPPORTED = {"python": "3.11", "torch": "2.9", "jax": "0.7.1", "jaxlib": "0.7.1", "numpy": "2.0"}
+# Lower bounds: the same as pyproject.toml's `dependencies` and `requires-python`, and its `hf`
+# extra's transformers (checked when torch_splash.hf is imported).
+SUPPORTED = {
+    "python": "3.11",
+    "torch": "2.9",
+    "jax": "0.7.1",
+    "jaxlib": "0.7.1",
+    "numpy": "2.0",
+    "transformers": "5.23",
+}
 # The newest release of each in the tested sets (locks/): a newer one warns once at import.
-TESTED = {"python": "3.12", "torch": "2.15.0", "jax": "0.12.0.1", "jaxlib": "0.12.0.1", "numpy": "2.5.5"}
+TESTED = {
+    "python": "3.12",
+    "torch": "2.15.0",
+    "jax": "0.12.0.1",
+    "jaxlib": "0.12.0.1",
+    "numpy": "2.5.5",
+    "transformers": "5.24.0",
+}
 # torch_xla 2.9 is built against torch 2.9, and its Pallas extra pins jax 0.7.1.
 TORCH_XLA_NEEDS = {"torch": ("2.9", "2.10"), "jax": ("0.7.1", "0.8")}
 # The releases every entry below was checked against (the tested sets in locks/).
@@ -43,7 +60,7 @@ CHECKED = {
     "torch_xla": ("2.9.0",),
     "torch-tpu": ("0.2.0",),
     "libtpu": ("0.0.21", "0.0.52"),
-    "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.calibration)
+    "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.tpu_time.calibration)
 }
 ALLOW_UNTESTED = "TORCH_SPLASH_ALLOW_UNTESTED"
 
@@ -82,7 +99,8 @@ _WARNED_UNTESTED: set[str] = set()
 
 def check_versions(names=("python", "jax", "jaxlib", "numpy")) -> None:
     """Refuse a Python or package older than SUPPORTED, and warn once about one newer than TESTED
-    in its major.minor (torch_splash_jax checks its own; torch_splash adds torch)."""
+    in its major.minor (torch_splash_jax checks its own; torch_splash adds torch, torch_splash.hf
+    transformers)."""
     for name in names:
         found = python_version() if name == "python" else installed(name)
         if found is None:

@@ -39,7 +39,8 @@ from .plan import Plan
 
 _splash, _, _mask_info = compat.splash_modules()
 
-# Counts traces (not calls) of each program body: a cache hit traces nothing.
+# Instrumentation the tests read (a repeated call traces nothing): traces, not calls, of each
+# program body. Not part of the package's names.
 TRACES: collections.Counter = collections.Counter()
 
 # A row whose logsumexp is at or below this saw only masked logits (DEFAULT_MASK_VALUE is about -2.4e38).

@@ -78,7 +78,7 @@ def _target(platform: str, sequence_sharded: bool) -> _Target:
     return _SEQUENCE_SHARDED_TPU if platform == "tpu" and sequence_sharded else _TARGETS[platform]
 
 
-# A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (torch_splash_jax.aot):
+# A TPU kernel's blocks must fit its VMEM. Measured with the TPU compiler for v5e (torch_splash_jax.tpu_time.aot):
 # every kernel compiled whose block_q x block_kv x max(head_dim, 128) was at most 2**28 (2048 x 1024
 # and 1024 x 2048 at head_dim 128; 1024 x 1024 at 256; 512 x 512 at 512), and every one above it
 # was refused ("Ran out of memory in memory space vmem": 2048 x 2048 at 128; 1024 x 2048 and

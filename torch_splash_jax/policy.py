@@ -4,14 +4,11 @@ Each bound below is read where its cache is made; nothing else in the package si
 TorchTPU's numbered programs (torch_splash_jax.transport) are held weakly: an evicted program is freed.
 
 JAX's own caches. Each Program's jitted functions trace the splash kernel into themselves
-(compat.call_splash_kernel), so what JAX caches for them dies with the Program. Called through
-the kernel's own module-level `jax.jit`, JAX's tracing caches kept about 25 jaxprs and 0.5 MB per
-distinct shape keyed on that long-lived function, released only at their own bounds (thousands of
-entries): measured over 160 shapes with a program cache of 16 (tests/test_memory.py), RSS grew
-0.55 MB per new shape after the cache was full, where a program costs about 2.5 MB while it fills;
-traced into the programs, 0.09 MB. JAX offers no way to release one entry of those caches (jax
-0.7.1's weakref caches can only be cleared whole), so what remains (about 3 jaxprs per shape in
-JAX's own caches keyed on shapes and shardings) is bounded by their own sizes. Clearing them all
+(compat.call_splash_kernel), so what JAX caches for them dies with the Program: a process that
+keeps meeting new shapes grows 0.09 MB per shape once the program cache is full, against about
+2.5 MB per program while it fills (tests/test_memory.py). JAX offers no way to release one entry
+of its caches (jax 0.7.1's weakref caches can only be cleared whole), so what remains (about 3
+jaxprs per shape in JAX's own caches keyed on shapes and shardings) is bounded by their own sizes. Clearing them all
 stays opt-in, since `jax.clear_caches()` clears the caller's own JAX caches too: with
 $TORCH_SPLASH_CLEAR_JAX_CACHES=1, each time the program cache has turned over (evicted as many
 programs as it holds) it calls `jax.clear_caches()` and returns the freed heap to the OS.

@@ -5,8 +5,8 @@ tokamax ships its autotuning caches (`tokamax/data/autotuning/<chip>/...flash_at
 per call, the winning block configuration and five measured times. `calibrate` compiles tokamax's
 op at each entry (deviceless, with the current set's JAX and libtpu), estimates its kernel, prints
 one line per entry and a summary. `fit` fits the estimator's numbers over several generations'
-results: a clock factor per generation (`tpu_time.CLOCK_FACTOR`) and one stall per row for all
-(`tpu_time.ROW_STALL`); `./dev.sh bench-tpu-time` runs it.
+results: a clock factor per generation (`chips.CLOCK_FACTOR`) and one stall per row for all
+(`chips.ROW_STALL`); `./dev.sh bench-tpu-time` runs it.
 
     python -m torch_splash_jax.tpu_time calibrate --generation v5p [--limit N] [--json FILE]
 
@@ -15,6 +15,7 @@ tokamax is a calibration dependency (the current set's `calibrate` extra), never
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -26,21 +27,12 @@ import sys
 
 import numpy as np
 
-from .errors import SplashConstraintError
+from ..errors import SplashConstraintError
+from .chips import CLOCK_FACTOR, ROW_STALL
+from .estimate import Estimate, program_estimate
+from .libtpu import compile_schedules
 from .schedule import ScheduleError
-from .tpu_time import (
-    CLOCK_FACTOR,
-    ROW_STALL,
-    Estimate,
-    block_classes,
-    calibrate_arguments,
-    causal,
-    compile_schedules,
-    dkv_work,
-    forward_work,
-    full_mask,
-    program_estimate,
-)
+from .work import block_classes, causal, dkv_work, forward_work, full_mask
 
 TOKAMAX_CHIPS = {"v5p": "tpu_v5", "v6e": "tpu_v6_lite", "v7x": "tpu7x"}
 _SHAPE = re.compile(r"(\w+)\[([\d,]+)\]")
@@ -115,7 +107,7 @@ def tokamax_entries(generation: str, direction: str = "forward") -> list[Entry]:
 def probe_config(q_len: int, kv_len: int):
     """A valid configuration of tokamax's forward op, for traces that only read what the op passes
     on or refuses (no time is estimated at it)."""
-    from . import compat
+    from .. import compat
 
     tk_fwd, _, tk_splash = compat.tokamax_attention_modules()
     layout = tk_splash.QKVLayout.HEAD_DIM_MINOR
@@ -135,7 +127,7 @@ def _tokamax_program(entry: Entry):
     import jax
     import jax.numpy as jnp
 
-    from . import compat
+    from .. import compat
 
     tk_fwd, tk_vjp, tk_splash = compat.tokamax_attention_modules()
 
@@ -281,7 +273,7 @@ def calibration_line(result: Calibrated) -> str:
     entry = result.entry
     if result.estimate is None:
         return f"{entry.describe()}: measured {entry.measured_ms:.3f} ms, not estimated ({result.error})"
-    from .tpu_time import chip
+    from .chips import chip
 
     generation = result.estimate.generation
     estimate = result.seconds(*_constants(generation))
@@ -375,10 +367,17 @@ def result_json(result: Calibrated) -> dict:
     return out
 
 
+def calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The calibrate command's options (torch_splash_jax.calibration runs it)."""
+    parser.add_argument("--generation", required=True, help="v5p, v6e or v7x (tokamax measured these)")
+    parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--limit", type=int, default=None, help="at most N entries, spread over the cache")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m torch_splash_jax.tpu_time calibrate ...` runs this in a process that dumps schedules."""
-    import argparse
-
     parser = calibrate_arguments(argparse.ArgumentParser(prog="python -m torch_splash_jax.tpu_time calibrate"))
     options = parser.parse_args(argv)
     results = calibrate(options.generation, options.direction, options.limit, json_path=options.json)

@@ -20,7 +20,8 @@ import pathlib
 import re
 import sys
 
-from . import compat, schedule
+from .. import compat
+from . import schedule
 
 # Without these, libtpu looks for a TPU VM's metadata server and its worker host names, and a
 # second process loading libtpu at the same time (two checks, or a benchmark beside the tests)

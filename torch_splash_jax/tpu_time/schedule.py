@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from .errors import SplashConstraintError
+from ..errors import SplashConstraintError
 
 
 class ScheduleError(SplashConstraintError):

@@ -1,13 +1,14 @@
-"""Estimated TPU time of the decode kernel (`decode_kernel`), by the estimator of `tpu_time`, and
-the figures it is judged by: the HBM floor, and XLA's own estimate of dense attention.
+"""Estimated TPU time of the decode kernel (torch_splash_jax.decode_kernel), by this package's
+estimator (estimate.py), and the figures it is judged by: the HBM floor, and XLA's own estimate of
+dense attention.
 
 The decode kernel's grid steps depend on data (each batch element's key range), so an estimate
 is of one call at given kv lengths: `DecodeCall(plan, kv_lengths)`, each length the keys its
-batch element's queries may see, counted from the first key. The estimate is `tpu_time`'s model
+batch element's queries may see, counted from the first key. The estimate is estimate.py's model
 (schedule x clock factor + HBM + row stalls) with the kernel's own regions: the init at a unit's
 first step ("first") and the block's work ("run"), for the steps in range.
 
-What it leaves out, beyond `tpu_time`'s list: the ranges are computed by XLA ops before the
+What it leaves out, beyond estimate.py's list: the ranges are computed by XLA ops before the
 kernel (counted in `rest_seconds`, as XLA estimates them); a batch whose lengths differ is
 estimated at their mean.
 """
@@ -19,8 +20,13 @@ import math
 
 import numpy as np
 
-from . import tpu_time
-from .decode import DecodePlan, DecodeProgram
+from .. import compat, mosaic
+from ..decode import DecodePlan, DecodeProgram
+from . import schedule
+from .chips import chip
+from .estimate import Estimate, program_estimate
+from .libtpu import compile_schedules
+from .work import Work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,7 @@ def _itemsize(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def decode_work(call: DecodeCall) -> tpu_time.Work:
+def decode_work(call: DecodeCall) -> Work:
     """The decode kernel's work per parallel unit (batch x kv heads x row blocks x splits)."""
     p = call.plan
     row_ranges = p.row_ranges().reshape(-1, 2)
@@ -61,7 +67,7 @@ def decode_work(call: DecodeCall) -> tpu_time.Work:
     read = units * (p.block_heads * p.block_rows * p.head_dim * item + max(run, 1) * per_block)
     useful_keys = float(np.minimum(call.lengths(), p.kv_len).sum())
     flops = 2.0 * p.num_kv_heads * p.rows * useful_keys * (p.head_dim + p.head_dim_v)
-    return tpu_time.Work(
+    return Work(
         kind="decode",
         units=units,
         steps=steps,
@@ -92,28 +98,20 @@ def arguments(plan: DecodePlan) -> list:
     return DecodeProgram(plan).arguments(**named)
 
 
-def decode_estimate(call: DecodeCall, generation: str) -> tpu_time.Estimate:
+def decode_estimate(call: DecodeCall, generation: str) -> Estimate:
     """The decode program compiled for one device of `generation`, its
     kernel estimated at the call's kv lengths, the XLA ops around it at XLA's own estimate."""
-    from . import compat, mosaic
-
     program = DecodeProgram(call.plan)
     with compat.mosaic_ir_version(mosaic.ir_version()):
-        schedules, hlo = tpu_time.compile_schedules(program.forward, tuple(arguments(call.plan)), generation)
-    return tpu_time.program_estimate(schedules, {"decode": decode_work(call)}, hlo, generation)
+        schedules, hlo = compile_schedules(program.forward, tuple(arguments(call.plan)), generation)
+    return program_estimate(schedules, {"decode": decode_work(call)}, hlo, generation)
 
 
 def hbm_floor_seconds(call: DecodeCall, generation: str) -> float:
     """Reading the keys and values the call may see once, at the chip's HBM bandwidth."""
     p = call.plan
     keys = float(np.minimum(call.lengths(), p.kv_len).sum())
-    return (
-        keys
-        * p.num_kv_heads
-        * (p.head_dim + p.head_dim_v)
-        * _itemsize(p.dtype)
-        / tpu_time.chip(generation).hbm_bandwidth
-    )
+    return keys * p.num_kv_heads * (p.head_dim + p.head_dim_v) * _itemsize(p.dtype) / chip(generation).hbm_bandwidth
 
 
 def dense_attention_seconds(call: DecodeCall, generation: str) -> tuple[float, float]:
@@ -139,8 +137,6 @@ def dense_attention_seconds(call: DecodeCall, generation: str) -> tuple[float, f
         *arguments(dataclasses.replace(p, has_segment_ids=False, has_sinks=False)),
         jax.ShapeDtypeStruct((p.batch,), jnp.int32),
     )
-    _, hlo = tpu_time.compile_schedules(dense, args, generation)
-    from . import schedule
-
-    target = tpu_time.chip(generation)
+    _, hlo = compile_schedules(dense, args, generation)
+    target = chip(generation)
     return schedule.rest_cycles(hlo) / target.clock, schedule.rest_bytes(hlo) / target.hbm_bandwidth

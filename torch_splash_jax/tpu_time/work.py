@@ -1,0 +1,187 @@
+"""What a kernel call does, in grid steps and bytes (`Work`): from a mask's block classes (tokamax's
+kernels, calibration.py) or from a JAX splash kernel's own block tables (`tables_work`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one kernel call does, per parallel unit (the batch x heads a two-core chip splits).
+
+    Grid steps per unit: `steps` in all; `first` and `last` along the reduction axis (kv for the
+    forward and dq kernels, q for dkv); `full` and `partial` blocks (the rest are skipped).
+    """
+
+    kind: str  # "forward", "dq", "dkv"
+    units: int
+    steps: int
+    first: int
+    last: int
+    full: int
+    partial: int
+    flops: float  # the useful MXU work of the whole call (blocks computed)
+    read_bytes: float  # what the whole call reads from HBM (its writes are its outputs' bytes)
+
+    @property
+    def run(self) -> int:
+        return self.full + self.partial
+
+
+def block_classes(mask_fn, q_len: int, kv_len: int, block_q: int, block_kv: int) -> np.ndarray:
+    """(q blocks, kv blocks) int8: 0 skipped, 1 partial, 2 full, for a mask given as
+    `mask_fn(q_positions, kv_positions) -> bool array` over a block's corners and edges.
+
+    Exact for masks whose allowed set, along each row and each column, is one interval (causal,
+    local windows, segment ids over sorted documents): a block is full when its edges are, and
+    empty when its edges are and no interval can hide inside it."""
+    nq, nk = q_len // block_q, kv_len // block_kv
+    out = np.zeros((nq, nk), np.int8)
+    for i in range(nq):
+        rows = np.arange(i * block_q, (i + 1) * block_q)
+        for j in range(nk):
+            cols = np.arange(j * block_kv, (j + 1) * block_kv)
+            edges = np.concatenate(
+                [
+                    mask_fn(rows[:, None], cols[None, [0, -1]]).ravel(),
+                    mask_fn(rows[[0, -1], None], cols[None, :]).ravel(),
+                ]
+            )
+            out[i, j] = 2 if edges.all() else 1 if edges.any() else 0
+    return out
+
+
+def causal(offset: int = 0, window: int | None = None):
+    """tokamax's causal_mask(offset, window_size): key k is seen by query q when
+    k <= q + offset and, with a window, k > q + offset - window."""
+
+    def allowed(q, k):
+        seen = k <= q + offset
+        return seen if window is None else seen & (k > q + offset - window)
+
+    return allowed
+
+
+def full_mask(q, k):
+    return np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+
+
+def forward_work(
+    classes: np.ndarray,
+    *,
+    units: int,
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    grid: str,
+) -> Work:
+    """The forward kernel's work over `classes` (q blocks, kv blocks), shared by the `units`.
+
+    grid: "active" (tokamax: one step per non-skipped block) or "rows" (JAX's splash: every q row
+    runs the same number of steps, the most non-skipped blocks of any row)."""
+    run = classes > 0
+    rows = int(run.any(axis=1).sum()) if grid == "active" else classes.shape[0]
+    steps = int(run.sum()) if grid == "active" else classes.shape[0] * max(int(run.sum(axis=1).max()), 1)
+    blocks = int(run.sum())
+    flops = 2.0 * units * blocks * block_q * block_kv * (head_dim + head_dim_v)
+    q_bytes = rows * block_q * head_dim * itemsize
+    kv_bytes = blocks * block_kv * (head_dim + head_dim_v) * itemsize
+    return Work(
+        kind="forward",
+        units=units,
+        steps=steps,
+        first=rows,
+        last=rows,
+        full=int((classes == 2).sum()),
+        partial=int((classes == 1).sum()),
+        flops=flops,
+        read_bytes=float(units * (q_bytes + kv_bytes)),
+    )
+
+
+def dkv_work(
+    classes: np.ndarray,
+    *,
+    units: int,
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    grid: str,
+    fused: bool,
+) -> Work:
+    """The dkv kernel's work (dq too when `fused`): `classes` as for the forward (q blocks, kv
+    blocks); the kernel walks q for each kv block."""
+    transposed = np.ascontiguousarray(classes.T)
+    run = transposed > 0
+    cols = int(run.any(axis=1).sum()) if grid == "active" else transposed.shape[0]
+    steps = int(run.sum()) if grid == "active" else transposed.shape[0] * max(int(run.sum(axis=1).max()), 1)
+    blocks = int(run.sum())
+    # s = q k^T, p v... : q k^T again, dp = do v^T, dv += p^T do, dk += ds^T q (+ dq = ds k)
+    matmuls = 5 if fused else 4
+    flops = 2.0 * units * blocks * block_q * block_kv * head_dim * matmuls
+    kv_bytes = cols * block_kv * (head_dim + head_dim_v) * itemsize  # k, v
+    per_block = block_q * (head_dim + head_dim_v) * itemsize + block_q * 4 * 2  # q, do; lse, di
+    return Work(
+        kind="dkv",
+        units=units,
+        steps=steps,
+        first=cols,
+        last=cols,
+        full=int((transposed == 2).sum()),
+        partial=int((transposed == 1).sum()),
+        flops=flops,
+        read_bytes=float(units * (kv_bytes + blocks * per_block)),
+    )
+
+
+def tables_work(
+    block_mask,
+    kind: str,
+    *,
+    units: int,
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    fused: bool = False,
+) -> Work:
+    """A JAX splash kernel's work from its own block table (MaskInfo.block_mask: (heads or 1,
+    rows, grid width), 0 skipped, 1 partial, 2 full; rows are q blocks, kv blocks for dkv). Every
+    row runs `grid width` steps."""
+    table = np.asarray(block_mask)
+    heads, rows, width = table.shape
+    per_head = lambda x: int(round(x / heads))  # noqa: E731  (one unit's share of a per-head table)
+    blocks = int((table > 0).sum())
+    block_flops = 2.0 * block_q * block_kv * (head_dim + head_dim_v)
+    if kind == "forward":
+        flops, moved = block_flops, block_kv * (head_dim + head_dim_v) * itemsize
+        row = block_q * head_dim * itemsize
+    elif kind == "dq":  # q k^T, do v^T, ds k
+        flops = 2.0 * block_q * block_kv * (2 * head_dim + head_dim_v)
+        moved, row = (
+            block_kv * (head_dim + head_dim_v) * itemsize,
+            block_q * (head_dim + head_dim_v) * itemsize + block_q * 8,
+        )
+    else:  # dkv: q k^T, do v^T, dv, dk (+ dq)
+        flops = 2.0 * block_q * block_kv * ((3 if fused else 2) * head_dim + 2 * head_dim_v)
+        moved = block_q * (head_dim + head_dim_v) * itemsize + block_q * 8
+        row = block_kv * (head_dim + head_dim_v) * itemsize
+    return Work(
+        kind=kind,
+        units=units,
+        steps=rows * width,
+        first=rows,
+        last=rows,
+        full=per_head((table == 2).sum()),
+        partial=per_head((table == 1).sum()),
+        flops=units * per_head(blocks) * flops,
+        read_bytes=float(units * (per_head(blocks) * moved + rows * row)),
+    )
