@@ -126,3 +126,35 @@ def test_private_names_are_reached_only_from_the_compatibility_modules():
                 if isinstance(root, ast.Name) and aliases.get(root.id, "").split(".")[0] in EXTERNAL:
                     offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
     assert not offending, "\n".join(offending)
+
+
+# Reaching into a function's or object's internals: as private as a leading underscore.
+INTROSPECTION = {
+    "__code__",
+    "__closure__",
+    "__globals__",
+    "__defaults__",
+    "__kwdefaults__",
+    "__dict__",
+    "__func__",
+    "__self__",
+}
+
+
+def test_dunder_access_to_other_objects_internals_is_only_in_the_compatibility_modules():
+    """`fn.__code__`, `getattr(m, "__dict__")` and the like, on anything but the module's own
+    `self` / `cls`, are made only in the compatibility modules."""
+    offending = []
+    for name, tree in _modules().items():
+        if name in COMPAT:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in INTROSPECTION:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+                attribute = node.args[1]
+                if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and isinstance(attribute, ast.Constant):
+                    if attribute.value in INTROSPECTION:
+                        offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
+    assert not offending, "\n".join(offending)
