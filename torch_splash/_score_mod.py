@@ -206,11 +206,13 @@ def _result(score: _Score, placeholders, graph, captured: bool) -> ScoreForm:
     return ScoreForm(factor=factor, cap=cap, masks=score.masked, reads=reads, captured=captured)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class ScoreMask:
     """The mask a masking score_mod means, as a mask_mod: where it gives -inf at a score of 0."""
 
     score_mod: object
+    # vmap names the function it maps, which Dynamo must trace: a name, not a dataclass repr
+    __name__ = "score_mod_mask"
 
     def __call__(self, b, h, q_idx, kv_idx):
         score = torch.zeros((), device=q_idx.device)
