@@ -178,3 +178,35 @@ def test_import_and_attention_calls_load_none_of_the_tooling():
     assert "torch_splash_jax.kernels" in loaded  # the calls ran the kernels
     tooling = [m for m in loaded if m == TOOLING or m.startswith((TOOLING + ".", "tokamax", "torch_splash.fit"))]
     assert not tooling, tooling
+
+
+# Reaching into a function's or object's internals: as private as a leading underscore.
+INTROSPECTION = {
+    "__code__",
+    "__closure__",
+    "__globals__",
+    "__defaults__",
+    "__kwdefaults__",
+    "__dict__",
+    "__func__",
+    "__self__",
+}
+
+
+def test_dunder_access_to_other_objects_internals_is_only_in_the_compatibility_modules():
+    """`fn.__code__`, `getattr(m, "__dict__")` and the like, on anything but the module's own
+    `self` / `cls`, are made only in the compatibility modules."""
+    offending = []
+    for name, tree in _modules().items():
+        if name in COMPAT:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in INTROSPECTION:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+                attribute = node.args[1]
+                if node.func.id in ("getattr", "setattr", "hasattr", "delattr") and isinstance(attribute, ast.Constant):
+                    if attribute.value in INTROSPECTION:
+                        offending.append(f"{name}:{node.lineno} reaches {ast.unparse(node)}")
+    assert not offending, "\n".join(offending)

@@ -160,3 +160,19 @@ def test_with_torchtpu_installed_jax_stays_on_the_cpu():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fullgraph"])
+def test_flex_attention_s_logsumexp_gradient_through_jax_op(torchtpu, compiled):
+    """A masking score_mod with a soft cap, a document BlockMask, and a loss of the output and the
+    logsumexp: through TorchTPU's path (eager and fullgraph), against the float64 reference."""
+    from test_flex_score_mods import CASES as FLEX_CASES
+    from test_flex_score_mods import _assert_close, _block_mask, _compiled, _exact, _inputs, _run
+
+    case = FLEX_CASES["mask-of-scaled-soft-cap"]
+    q, k, v = _inputs()
+    block_mask = _block_mask(case)
+    attend = _compiled() if compiled else torch_splash.flex_attention
+    got = _run(attend, q, k, v, case[0], block_mask)
+    _assert_close(got, _exact(q, k, v, case[0], block_mask))
+    assert sum(torchtpu.calls.values()) >= 2 * 2  # each batch element's forward and backward

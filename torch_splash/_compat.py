@@ -10,10 +10,12 @@ torch_splash's `__init__` runs `keep_jax_off_the_tpu` first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import sys
+import threading
 import warnings
 
 CHECKED = {"torch": ("2.9.0", "2.15.0"), "torch_xla": ("2.9.0",), "transformers": ("5.24.0",)}
@@ -94,6 +96,33 @@ def mask_mod_trace(fn, device) -> tuple[tuple[bool, bool, bool, bool], tuple | N
     return reads, captured, module.code
 
 
+def score_mod_graph(fn, device):
+    """A score_mod traced on a 0-d float32 score and 0-d int32 indices (torch.fx's make_fx, under the
+    indexing mode above), as a torch.fx GraphModule: its nodes are aten ops, a captured tensor a
+    `get_attr` of the very object captured. Raises whatever tracing raises."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    score = torch.tensor(0.0, device=device)
+    with mask_mod_indexing():
+        return make_fx(fn)(score, *(torch.tensor(0, dtype=torch.int32, device=device) for _ in range(4)))
+
+
+def value_preserving_ops() -> set:
+    """The aten ops a traced score_mod may apply to a value without changing it (copies, aliases,
+    device moves: a constant made on the CPU and moved to torch_xla's device shows as one)."""
+    import torch
+
+    aten = torch.ops.aten
+    return {
+        aten.clone.default,
+        aten.alias.default,
+        aten.detach.default,
+        aten._to_copy.default,
+        aten.lift_fresh_copy.default,
+    }
+
+
 def constant_while_tracing(fn):
     """Dynamo calls `fn` (on arguments it holds as constants) while it traces, and keeps its result
     as a constant of the graph, guarded only as those arguments are."""
@@ -142,6 +171,84 @@ def register_constant(cls: type) -> None:
     import torch
 
     torch.utils._pytree.register_constant(cls)
+
+
+def overrides_torch_function(t) -> bool:
+    """Whether a tensor's class overrides `__torch_function__` (a subclass such as CausalBias), as
+    its handler's underlying function tells."""
+    import torch
+
+    handler = getattr(type(t).__torch_function__, "__func__", None)
+    return handler is not torch.Tensor.__torch_function__.__func__
+
+
+# --- torch: route_flex's patch of torch.nn.attention.flex_attention.flex_attention ----------------
+#
+# torch_splash.route_flex has torch's function object run another function's call while its block
+# lasts, by swapping the object's code (a compiled wrapper made before the block reaches the object
+# by its code), and rebinds the module globals bound to it. Checked against torch's function in
+# CHECKED["torch"]'s releases (no free variables) and TorchTPU 0.2.0's patched one (four), whose
+# code is only ever replaced by code of as many free variables, as CPython requires.
+
+_SWAP_LOCK = threading.Lock()
+_SWAPS: dict[int, list] = {}  # id(function) -> [blocks open, its own (code, defaults, kwdefaults)]
+
+
+@contextlib.contextmanager
+def function_calls(fn, module: str, name: str):
+    """While the block lasts, calling the function object `fn` calls `module.name` instead, with
+    the same arguments. Blocks nested or open in several threads at once share one swap: the first
+    to enter makes it, the last to leave, whatever the order, puts back fn's own code exactly."""
+    with _SWAP_LOCK:
+        entry = _SWAPS.get(id(fn))
+        if entry is None:
+            own = (fn.__code__, fn.__defaults__, fn.__kwdefaults__)
+            fn.__code__ = _trampoline(module, name, len(own[0].co_freevars))
+            fn.__defaults__, fn.__kwdefaults__ = None, None
+            entry = _SWAPS[id(fn)] = [0, own]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _SWAP_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                fn.__code__, fn.__defaults__, fn.__kwdefaults__ = entry[1]
+                del _SWAPS[id(fn)]
+
+
+def _trampoline(module: str, name: str, free_variables: int):
+    """Code that imports `module` and returns `module.name(*args, **kwargs)`: it runs among the
+    patched function's globals, so it imports what it calls. Its free variables are declared,
+    never read."""
+    from torch_splash_jax import policy
+
+    return _trampolines(policy.TRAMPOLINES)(module, name, free_variables)
+
+
+@functools.cache
+def _trampolines(size: int):
+    @functools.lru_cache(maxsize=size)
+    def build(module: str, name: str, free_variables: int):
+        cells = [f"_cell{i}" for i in range(free_variables)]
+        lines = ["def _outer():", *(f"    {c} = None" for c in cells), "    def _call(*args, **kwargs):"]
+        if cells:
+            lines += ["        if False:", f"            ({', '.join(cells)},)"]
+        lines += [
+            f"        from {module} import {name}",
+            f"        return {name}(*args, **kwargs)",
+            "    return _call",
+        ]
+        namespace = {}
+        exec("\n".join(lines), namespace)
+        return namespace["_outer"]().__code__
+
+    return build
+
+
+def module_namespaces() -> list[dict]:
+    """The globals of every loaded module."""
+    return [d for d in (getattr(m, "__dict__", None) for m in list(sys.modules.values())) if isinstance(d, dict)]
 
 
 # --- torch_xla (torch_xla._XLAC, torch_xla.core.xla_builder) ------------------------------------

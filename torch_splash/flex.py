@@ -15,8 +15,11 @@ to the same shapes.
 Under torch.compile(fullgraph=True) the BlockMask is converted inside the graph (Dynamo traces the
 mask_mod), and custom ops run the kernels on the result: see `graph_tables`.
 
-`soft_cap(cap)` is the one score_mod splash serves: a valid score_mod for torch's flex_attention
-too, so one model runs both ways. Every other score_mod is refused by name.
+A score_mod is read from its traced graph (`_score_mod`): the identity, factors (folded into the
+scale), `soft_cap(cap)` (a valid score_mod for torch's flex_attention too, so one model runs both
+ways) and -inf by a predicate of the indices (a mask, combined with the BlockMask's) are served;
+any other is refused naming the operation. Key and value of batch 1 serve every batch element
+(`_fold`), and the returned logsumexp is differentiable (`_gradients`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-import sys
+import threading
 import weakref
 
 import numpy as np
@@ -36,7 +39,7 @@ from torch.nn.attention import flex_attention as _torch_flex
 
 from torch_splash_jax import BlockSparseMask, MultiHeadMask, SplashConstraintError, SplashDtypeError, policy
 
-from . import _checks, _compat
+from . import _checks, _compat, _score_mod
 from .api import attention, attention_backward
 
 __all__ = ["flex_attention", "route_flex", "soft_cap"]
@@ -154,7 +157,10 @@ def _stored_mask(kinds, rows, cols, blocks, shape, block_shape) -> BlockSparseMa
 # BlockMask's mask_mod and its traced code (the scalars it captured included), its own tables and
 # every tensor the mask_mod reads are the same, the tensors the same objects at the same version (an
 # in-place change counts). A mask_mod that cannot be traced is converted at every call.
-_CONVERTED: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+# A score_mod's mask is kept with it: by the BlockMask and the score_mod, alive while both are (the
+# BlockMask when there is one, else the score_mod). Layers run in threads: a lock guards the cache.
+_CONVERTED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_CONVERTED_LOCK = threading.Lock()
 
 
 def _versions(tensors: tuple) -> tuple:
@@ -165,30 +171,78 @@ def _same(held: tuple, now: tuple) -> bool:
     return len(held) == len(now) and all(t is u and version == w for (t, version), (u, w) in zip(held, now))
 
 
-def block_mask_masks(block_mask, batch: int, heads: int, q_len: int, kv_len: int) -> list:
+def block_mask_masks(block_mask, batch: int, heads: int, q_len: int, kv_len: int, score_mask=None, device=None) -> list:
     """The masks a BlockMask means for a (batch, heads, Lq, Lkv) call: one per batch element (one
-    mask, or a MultiHeadMask), all equal when the mask does not depend on b."""
-    _check_block_mask(block_mask, batch, heads, q_len, kv_len)
-    reads, captured, code = _compat.mask_mod_trace(block_mask.mask_mod, block_mask.kv_num_blocks.device)
+    mask, or a MultiHeadMask), all equal when the mask does not depend on b. score_mask: the mask
+    of a masking score_mod (`_score_mod.ScoreMask`), combined with the BlockMask's (block_mask
+    may then be None: every block is evaluated, on `device`)."""
+    if block_mask is not None:
+        _check_block_mask(block_mask, batch, heads, q_len, kv_len)
+        device = block_mask.kv_num_blocks.device
+    mask_mod = _combined(block_mask, score_mask)
+    reads, captured, code = _compat.mask_mod_trace(mask_mod, device)
     if captured is None:
-        return _convert(block_mask, reads, batch, heads, q_len, kv_len)
-    own = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        return _convert(block_mask, mask_mod, score_mask is not None, reads, batch, heads, q_len, kv_len, device)
+    own = () if block_mask is None else _own_tensors(block_mask)
     now = _versions(tuple(t for t in own if t is not None) + captured)
-    signature = ((batch, heads, q_len, kv_len), tuple(block_mask.BLOCK_SIZE), code)
-    key = id(block_mask)
-    held = _CONVERTED.get(key)
-    if held is not None:
-        alive, mask_mod, held_signature, held_tensors, masks = held
-        same_mask_mod = mask_mod is block_mask.mask_mod and held_signature == signature
-        if alive() is block_mask and same_mask_mod and _same(held_tensors, now):
-            _CONVERTED.move_to_end(key)
-            return masks
-    masks = _convert(block_mask, reads, batch, heads, q_len, kv_len)
-    alive = weakref.ref(block_mask, lambda _: _CONVERTED.pop(key, None))
-    _CONVERTED[key] = (alive, block_mask.mask_mod, signature, now, masks)
-    while len(_CONVERTED) > policy.FLEX_MASKS:
-        _CONVERTED.popitem(last=False)
+    block_shape = _DEFAULT_BLOCK if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+    signature = ((batch, heads, q_len, kv_len), block_shape, code)
+    owner = block_mask if block_mask is not None else score_mask.score_mod
+    parts = (getattr(block_mask, "mask_mod", None), getattr(score_mask, "score_mod", None))
+    key = (id(block_mask), id(parts[1]))
+    with _CONVERTED_LOCK:
+        held = _CONVERTED.get(key)
+        if held is not None:
+            alive, held_parts, held_signature, held_tensors, masks = held
+            same = all(a is b for a, b in zip(held_parts, parts)) and held_signature == signature
+            if alive() is owner and same and _same(held_tensors, now):
+                _CONVERTED.move_to_end(key)
+                return masks
+    masks = _convert(block_mask, mask_mod, score_mask is not None, reads, batch, heads, q_len, kv_len, device)
+    try:
+        alive = weakref.ref(owner, functools.partial(_forget, key))
+    except TypeError:  # a score_mod that takes no weak reference is converted at every call
+        return masks
+    with _CONVERTED_LOCK:
+        _CONVERTED[key] = (alive, parts, signature, now, masks)
+        while len(_CONVERTED) > policy.FLEX_MASKS:
+            _CONVERTED.popitem(last=False)
     return masks
+
+
+def _forget(key, _, cache=_CONVERTED, lock=_CONVERTED_LOCK) -> None:
+    """Drops an entry whose BlockMask (or score_mod) died; bound to the cache itself, since it may
+    run while the interpreter exits, after this module's globals are gone."""
+    with lock:
+        cache.pop(key, None)
+
+
+def _own_tensors(block_mask) -> tuple:
+    return (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+
+
+# torch's own default BLOCK_SIZE: the blocks a score_mod's mask is evaluated in without a BlockMask.
+_DEFAULT_BLOCK = (128, 128)
+
+
+def _combined(block_mask, score_mask):
+    """The mask_mod a call applies: the BlockMask's, the score_mod's mask, or both."""
+    if score_mask is None:
+        return block_mask.mask_mod
+    if block_mask is None:
+        return score_mask
+    return _torch_flex.and_masks(block_mask.mask_mod, score_mask)
+
+
+def _kinds(block_mask, scored: bool, shape, block_shape, device) -> torch.Tensor:
+    """(B', H', rows, cols) int8 block kinds (`_block_kinds`) of a call; with a score_mod's mask,
+    blocks full for the BlockMask are partial (the score_mod's mask applies there too), and
+    without a BlockMask every block is."""
+    rows, cols = -(-shape[0] // block_shape[0]), -(-shape[1] // block_shape[1])
+    if block_mask is None:
+        return torch.ones(1, 1, rows, cols, dtype=torch.int8, device=device)
+    kinds = _block_kinds(block_mask, rows, cols)
+    return kinds.clamp(max=1) if scored else kinds
 
 
 def _check_block_mask(block_mask, batch: int, heads: int, q_len: int, kv_len: int) -> None:
@@ -209,16 +263,11 @@ def _check_block_mask(block_mask, batch: int, heads: int, q_len: int, kv_len: in
         )
 
 
-def _convert(block_mask, reads: tuple, batch: int, heads: int, q_len: int, kv_len: int) -> list:
-    block_shape = tuple(int(n) for n in block_mask.BLOCK_SIZE)
-    rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
-    kinds = _block_kinds(block_mask, rows, cols).cpu()
+def _convert(block_mask, mask_mod, scored: bool, reads: tuple, batch, heads, q_len, kv_len, device) -> list:
+    block_shape = _DEFAULT_BLOCK if block_mask is None else tuple(int(n) for n in block_mask.BLOCK_SIZE)
+    kinds = _kinds(block_mask, scored, (q_len, kv_len), block_shape, device).cpu()
     keys, assign = _evaluation_keys(*reads[:2], *kinds.shape[:2], batch, heads)
-    device = block_mask.kv_num_blocks.device
-    masks = [
-        _head_mask(block_mask.mask_mod, b, h, kinds[tb, th], (q_len, kv_len), block_shape, device)
-        for b, h, tb, th in keys
-    ]
+    masks = [_head_mask(mask_mod, b, h, kinds[tb, th], (q_len, kv_len), block_shape, device) for b, h, tb, th in keys]
     return _per_batch(masks, assign)
 
 
@@ -275,11 +324,8 @@ _TUNING_OPTIONS = (
 def _check_options(score_mod, kernel_options, return_lse, return_aux):
     if return_lse and return_aux is not None:
         raise SplashConstraintError("pass return_aux=AuxRequest(lse=True) or return_lse=True, not both (as torch).")
-    if score_mod is not None and not isinstance(score_mod, SoftCap):
-        raise SplashConstraintError(
-            f"score_mod {getattr(score_mod, '__name__', score_mod)!r}: splash serves one score_mod, "
-            "torch_splash.soft_cap(cap) (cap * tanh(score / cap)); others have no splash kernel."
-        )
+    if score_mod is not None and not callable(score_mod):
+        raise SplashDtypeError(f"score_mod must be a function or None, got {type(score_mod).__name__}.")
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             raise SplashDtypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}.")
@@ -295,29 +341,52 @@ def _check_options(score_mod, kernel_options, return_lse, return_aux):
         raise SplashConstraintError("return_aux=AuxRequest(max_scores=True): splash returns the logsumexp only.")
 
 
-_LSE_GRADIENT = (
-    "a gradient reached the logsumexp torch_splash.flex_attention returned: splash's backward kernels "
-    "do not take one. Detach the logsumexp (lse.detach()) where it enters the loss."
-)
-
-
-class _LseWithoutGradient(torch.autograd.Function):
-    """The returned logsumexp, which torch's flex_attention differentiates and splash cannot: a
-    gradient reaching it is an error, never dropped silently."""
+class _WithLogsumexp(torch.autograd.Function):
+    """An eager call that returns the logsumexp: both outputs differentiable, the lse's gradient
+    through `_gradients`, as the compiled path's `flex_backward`."""
 
     @staticmethod
-    def forward(lse, *inputs):
-        return lse.clone()
+    def forward(ctx, query, key, value, masks, options):
+        out, lse = _by_batch_element(attention, (query, key, value), masks, return_lse=True, **options)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.masks, ctx.options = masks, options
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad):
-        if grad is not None and bool(grad.ne(0).any()):
-            raise SplashConstraintError(_LSE_GRADIENT)
-        return (None,) * (1 + ctx.inputs)
+    def backward(ctx, d_out, d_lse):
+        _refuse_double_backward()
+        query, key, value, out, lse = ctx.saved_tensors
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        grads = _by_batch_element(_gradients, (query, key, value, out, lse, d_out, d_lse), ctx.masks, **ctx.options)
+        return (*grads, None, None)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.inputs = len(inputs) - 1
+
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():  # create_graph=True
+        raise SplashConstraintError(
+            "torch_splash.flex_attention supports one backward pass, not double backward "
+            "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
+        )
+
+
+def _gradients(query, key, value, out, lse, d_out, d_lse, mask, *, scale=None, soft_cap=None):
+    """dq, dk, dv from the output's gradient d_out and the logsumexp's d_lse (None: none).
+
+    With g = d_lse, the logits' gradient is dS = P * (dP - (D - g)), D = rowsum(dO * O) the row
+    statistic the dq/dkv kernels compute: the kernels run on value and d_out each with one more
+    column, of ones in value and g in d_out, and a 0 in out, so that dP gains g and D stays; the
+    extra column of dv is dropped. A row that sees no key has P = 0, so its g adds nothing."""
+    if d_lse is None or not bool(d_lse.ne(0).any()):
+        return attention_backward(query, key, value, out, lse, d_out, mask, scale=scale, soft_cap=soft_cap)
+    ones = value.new_ones(value.shape[:-1] + (1,))
+    g = torch.nan_to_num(d_lse, nan=0.0, posinf=0.0, neginf=0.0).to(d_out.dtype)[..., None]
+    value, out, d_out = (
+        torch.cat([value, ones], -1),
+        torch.cat([out, out.new_zeros(out.shape[:-1] + (1,))], -1),
+        torch.cat([d_out, g], -1),
+    )
+    dq, dk, dv = attention_backward(query, key, value, out, lse, d_out, mask, scale=scale, soft_cap=soft_cap)
+    return dq, dk, dv[..., :-1]
 
 
 # Under torch.compile the BlockMask is data of the graph, not an object this module can read: it is
@@ -348,36 +417,87 @@ def _read_call(text: str) -> dict:
     return call
 
 
-def _traced(query, key, value, block_mask, scale, cap):
-    """What flex_attention runs under torch.compile: (out, lse)."""
+def _traced(query, key, value, block_mask, scale, cap, score_mod=None, reads=None):
+    """What flex_attention runs under torch.compile: (out, lse). score_mod: a masking score_mod
+    whose mask reads `reads` of (b, h, q_idx, kv_idx)."""
     batch, heads, q_len, _ = _checks.static_shape(query)
     kv_len = _checks.static_shape(key)[2]
-    if block_mask is None:
+    if block_mask is None and score_mod is None:
         table = where = blocks = None
         assign, block_shape = ((0,) * heads,) * batch, (q_len, kv_len)
     else:
-        table, where, blocks, assign = graph_tables(block_mask, batch, heads)
-        block_shape = _checks.static_ints(*block_mask.BLOCK_SIZE)
+        table, where, blocks, assign, block_shape = graph_tables(
+            block_mask, batch, heads, (q_len, kv_len), score_mod, reads, query.device
+        )
+    kv_batch, kv_heads = _checks.static_shape(key)[:2]
+    folding = kv_batch != batch
+    assign = _folded_assign(assign, (kv_batch, kv_heads), folding)
     text = _call_text(assign, (q_len, kv_len), block_shape, _checks.static_float(scale), _checks.static_float(cap))
-    return flex_forward(query, key, value, table, where, blocks, text)
+    if not folding:
+        return flex_forward(query, key, value, table, where, blocks, text)
+    out, lse = flex_forward(_fold(query, kv_heads), key, value, table, where, blocks, text)
+    return _unfold(out, batch, kv_heads), _unfold(lse, batch, kv_heads)
 
 
-def graph_tables(block_mask, batch: int, heads: int):
-    """A BlockMask as the compiled path's graph computes it for a (batch, heads) call: the block
-    kinds of each (b, h) evaluated (K, rows, cols) int8, `partial_blocks` of them, those blocks
-    evaluated (n + 1, bq, bkv) bool (the stand-in's included), and for each batch element and head
-    the index of its own among the K."""
-    q_len, kv_len, *block_shape = _checks.static_ints(*block_mask.seq_lengths, *block_mask.BLOCK_SIZE)
-    rows, cols = -(-q_len // block_shape[0]), -(-kv_len // block_shape[1])
-    kinds = _block_kinds(block_mask, rows, cols)
-    reads = _reads(block_mask.mask_mod, block_mask.kv_num_blocks.device)
-    keys, assign = _evaluation_keys(*reads, *_checks.static_shape(kinds)[:2], batch, heads)
+def graph_tables(block_mask, batch: int, heads: int, shape=None, score_mod=None, reads=None, device=None):
+    """A BlockMask (and a masking score_mod's mask) as the compiled path's graph computes it for a
+    (batch, heads) call: the block kinds of each (b, h) evaluated (K, rows, cols) int8,
+    `partial_blocks` of them, those blocks evaluated (n + 1, bq, bkv) bool (the stand-in's
+    included), for each batch element and head the index of its own among the K, and the block
+    shape."""
+    score_mask = None if score_mod is None else _score_mod.ScoreMask(score_mod)
+    if block_mask is not None:
+        q_len, kv_len, *block_shape = _checks.static_ints(*block_mask.seq_lengths, *block_mask.BLOCK_SIZE)
+        device = block_mask.kv_num_blocks.device
+        mask_reads = _reads(block_mask.mask_mod, device)
+    else:
+        (q_len, kv_len), block_shape, mask_reads = shape, list(_DEFAULT_BLOCK), (False, False)
+    if reads is not None:
+        mask_reads = (mask_reads[0] or reads[0], mask_reads[1] or reads[1])
+    kinds = _kinds(block_mask, score_mask is not None, (q_len, kv_len), block_shape, device)
+    keys, assign = _evaluation_keys(*mask_reads, *_checks.static_shape(kinds)[:2], batch, heads)
     table = torch.stack([kinds[tb, th] for _, _, tb, th in keys])
     where = partial_blocks(table)
     b = torch.tensor([key[0] for key in keys], device=where.device)[where[:, 0]]
     h = torch.tensor([key[1] for key in keys], device=where.device)[where[:, 0]]
-    blocks = _evaluate_blocks(block_mask.mask_mod, b, h, where[:, 1], where[:, 2], (q_len, kv_len), block_shape)
-    return table, where, blocks, assign
+    mask_mod = _combined(block_mask, score_mask)
+    blocks = _evaluate_blocks(mask_mod, b, h, where[:, 1], where[:, 2], (q_len, kv_len), block_shape)
+    return table, where, blocks, assign, tuple(block_shape)
+
+
+def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, ...) as (1, B * Hq, ...), heads ordered (kv head, b, group member): one batch
+    element whose query heads group onto the kv heads as each b's did (query head h uses kv head
+    h // (heads / kv heads)), so keys and values of batch 1 serve every b uncopied."""
+    batch, heads = t.shape[:2]
+    return t.unflatten(1, (kv_heads, heads // kv_heads)).transpose(0, 1).reshape(1, batch * heads, *t.shape[2:])
+
+
+def _unfold(t: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
+    """`_fold`'s inverse: (1, B * Hq, ...) back to (B, Hq, ...)."""
+    group = t.shape[1] // (batch * kv_heads)
+    return t.reshape(kv_heads, batch, group, *t.shape[2:]).transpose(0, 1).reshape(batch, -1, *t.shape[2:])
+
+
+def _folded_heads(batch: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """(b, h) of each query head of `_fold`'s one batch element."""
+    group = heads // kv_heads
+    return [(b, kv * group + g) for kv in range(kv_heads) for b in range(batch) for g in range(group)]
+
+
+def _folded_assign(assign: tuple, kv_shape: tuple, folding: bool) -> tuple:
+    if not folding:
+        return assign
+    return (tuple(assign[b][h] for b, h in _folded_heads(len(assign), len(assign[0]), kv_shape[1])),)
+
+
+def _folded_masks(masks: list, heads: int, kv_heads: int) -> list:
+    """One batch element's mask (one, or per head) from one per b, heads as `_fold` orders them."""
+    if all(m is masks[0] for m in masks) and not isinstance(masks[0], MultiHeadMask):
+        return masks[:1]
+    per_head = [m.masks[h] if isinstance(m, MultiHeadMask) else m for m in masks for h in range(heads)]
+    folded = [per_head[b * heads + h] for b, h in _folded_heads(len(masks), heads, kv_heads)]
+    return [folded[0] if all(m is folded[0] for m in folded) else MultiHeadMask(tuple(folded))]
 
 
 @torch.library.custom_op("torch_splash::partial_blocks", mutates_args=())
@@ -398,11 +518,8 @@ def graph_masks(table, where, blocks, assign: tuple, shape: tuple, block_shape: 
     kept by content (`_GRAPH_MASKS`)."""
     key = _content_key(repr((assign, shape, block_shape)), (table, where, blocks))
     masks = _GRAPH_MASKS.get(key)
-    if masks is None:
-        masks = _GRAPH_MASKS[key] = _built_masks(table, where, blocks, assign, shape, block_shape)
-        while len(_GRAPH_MASKS) > policy.FLEX_MASKS:
-            _GRAPH_MASKS.popitem(last=False)
-    _GRAPH_MASKS.move_to_end(key)
+    if masks is None:  # two threads may both build them: equal masks, one kept
+        masks = _GRAPH_MASKS.setdefault(key, _built_masks(table, where, blocks, assign, shape, block_shape))
     return masks
 
 
@@ -410,7 +527,7 @@ def graph_masks(table, where, blocks, assign: tuple, shape: tuple, block_shape: 
 # one BlockMask, and the backward, gives its op equal tensors (often the very same ones: AOTAutograd
 # merges common subexpressions, though not always the evaluated blocks), and building the masks
 # costs 0.17 s at 128K tokens, where their key costs 0.02 s.
-_GRAPH_MASKS: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+_GRAPH_MASKS = policy.Recent(policy.FLEX_MASKS)
 
 
 def _content_key(text: str, tensors) -> bytes:
@@ -477,11 +594,9 @@ def flex_backward(
     blocks: torch.Tensor | None,
     call: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of flex_forward from its outputs, by the dq/dkv kernels."""
-    if d_lse is not None and bool(d_lse.ne(0).any()):
-        raise SplashConstraintError(_LSE_GRADIENT)
+    """dq, dk, dv of flex_forward from its outputs' gradients, by the dq/dkv kernels."""
     masks, kwargs = _masks_of(table, where, blocks, call)
-    grads = _by_batch_element(attention_backward, (query, key, value, out, lse, d_out), masks, **kwargs)
+    grads = _by_batch_element(_gradients, (query, key, value, out, lse, d_out, d_lse), masks, **kwargs)
     return tuple(t.contiguous() for t in grads)  # as the fake
 
 
@@ -497,12 +612,9 @@ def _save_for_backward(ctx, inputs, output):
 
 
 def _flex_gradients(ctx, d_out, d_lse):
-    if torch.is_grad_enabled():  # create_graph=True
-        raise SplashConstraintError(
-            "torch_splash.flex_attention supports one backward pass, not double backward "
-            "(create_graph=True): the splash dq/dkv kernels have no derivative of their own."
-        )
+    _refuse_double_backward()
     query, key, value, out, lse, *mask = ctx.saved_tensors
+    d_out = torch.zeros_like(out) if d_out is None else d_out
     dq, dk, dv = flex_backward(query, key, value, out, lse, d_out, d_lse, *(mask or (None,) * 3), ctx.call)
     return dq, dk, dv, None, None, None, None
 
@@ -515,7 +627,9 @@ def _by_batch_element(fn, tensors: tuple, masks: list, **options):
     where the masks are one, else one per batch element, its results concatenated."""
     if all(m is masks[0] for m in masks):
         return fn(*tensors, masks[0], **options)
-    parts = [fn(*(t[b : b + 1] for t in tensors), masks[b], **options) for b in range(len(masks))]
+    parts = [
+        fn(*(None if t is None else t[b : b + 1] for t in tensors), masks[b], **options) for b in range(len(masks))
+    ]
     return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
 
 
@@ -536,15 +650,18 @@ def flex_attention(
 
     Args:
         query: (B, Hq, Lq, E).
-        key: (B, Hkv, Lkv, E); Hkv == Hq, or with enable_gqa a divisor of Hq.
-        value: (B, Hkv, Lkv, Ev).
-        score_mod: None, or ``torch_splash.soft_cap(cap)``.
+        key: (B or 1, Hkv, Lkv, E); Hkv == Hq, or with enable_gqa a divisor of Hq. Batch 1 serves
+            every batch element of query (as torch broadcasts), uncopied.
+        value: (as key's, Hkv, Lkv, Ev).
+        score_mod: None, or one splash serves (see `_score_mod`): the identity, factors,
+            ``torch_splash.soft_cap(cap)``, ``torch.where(predicate, score, -inf)``, and their
+            compositions in that order.
         block_mask: None (every key), or a ``BlockMask`` from ``create_block_mask`` for (Lq, Lkv),
             with B and H each 1 or the call's.
         scale: default 1 / sqrt(E).
         enable_gqa: allow Hkv < Hq, as torch.
         return_lse: also return the logsumexp (B, Hq, Lq) float32, natural log, -inf on rows that
-            see no key. A gradient through it raises.
+            see no key; differentiable.
         kernel_options: the options that tune torch's kernels (BLOCK_M, num_warps, ...), ignored:
             splash plans its own blocks. Others (BACKEND, ...) raise.
         return_aux: ``AuxRequest(lse=True)`` returns ``(out, AuxOutput(lse=...))``.
@@ -568,27 +685,86 @@ def flex_attention(
         raise SplashConstraintError(
             f"query has {heads} heads and key {key.shape[1]}: pass enable_gqa=True for grouped-query attention."
         )
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, batch):
+        raise SplashConstraintError(
+            f"query, key, value have batch sizes {batch}, {key.shape[0]}, {value.shape[0]}: key and value "
+            "must have query's batch size, or both 1 (shared by every batch element, as torch broadcasts)."
+        )
     want_lse = return_lse or (return_aux is not None and return_aux.lse)
-    cap = None if score_mod is None else score_mod.cap
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling and score_mod is not None and not isinstance(score_mod, SoftCap):
+        refusal, *form = _form_while_tracing(score_mod, _SCORE_MOD_DEVICE)
+        if refusal:
+            raise SplashConstraintError(refusal)
+    else:
+        form = _form(score_mod, _SCORE_MOD_DEVICE)
+    factor, cap, masks_score, reads = form
+    if factor != 1.0:
+        head_dim = _checks.static_shape(query)[3] if compiling else query.shape[3]
+        scale = (head_dim**-0.5 if scale is None else scale) * factor
+    score_mod = score_mod if masks_score else None
+    if compiling:
         if block_mask is not None:
             _check_block_mask(block_mask, batch, heads, q_len, key.shape[2])
-        out, lse = _traced(query, key, value, block_mask, scale, cap)
+        out, lse = _traced(query, key, value, block_mask, scale, cap, score_mod, reads)
     else:
-        masks = (
-            [None] * batch if block_mask is None else block_mask_masks(block_mask, batch, heads, q_len, key.shape[2])
-        )
-        result = _by_batch_element(
-            attention, (query, key, value), masks, scale=scale, soft_cap=cap, return_lse=want_lse
-        )
+        if block_mask is None and score_mod is None:
+            masks = [None] * batch
+        else:
+            score_mask = None if score_mod is None else _score_mod.ScoreMask(score_mod)
+            masks = block_mask_masks(block_mask, batch, heads, q_len, key.shape[2], score_mask, _SCORE_MOD_DEVICE)
+        folding = key.shape[0] != batch
+        if folding:
+            masks, query = _folded_masks(masks, heads, key.shape[1]), _fold(query, key.shape[1])
+        options = dict(scale=scale, soft_cap=cap)
         if not want_lse:
-            return (result, _torch_flex.AuxOutput()) if return_aux is not None else result
-        out, lse = result
+            out = _by_batch_element(attention, (query, key, value), masks, **options)
+            out = _unfold(out, batch, key.shape[1]) if folding else out
+            return (out, _torch_flex.AuxOutput()) if return_aux is not None else out
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            lse = _LseWithoutGradient.apply(lse, query, key, value)
+            out, lse = _WithLogsumexp.apply(query, key, value, masks, options)
+        else:
+            out, lse = _by_batch_element(attention, (query, key, value), masks, return_lse=True, **options)
+        if folding:
+            out, lse = _unfold(out, batch, key.shape[1]), _unfold(lse, batch, key.shape[1])
     if not want_lse:
         return (out, _torch_flex.AuxOutput()) if return_aux is not None else out
     return (out, _torch_flex.AuxOutput(lse=lse)) if return_aux is not None else (out, lse)
+
+
+# Where a score_mod is traced, and its mask evaluated without a BlockMask: torch.fx cannot trace on
+# torch_xla's device (its tensors become constants), and create_block_mask fails there too, so a
+# model for torch_xla keeps what its mask_mods and score_mods capture on the CPU either way.
+_SCORE_MOD_DEVICE = "cpu"
+
+
+def _form(score_mod, device) -> tuple:
+    """(factor of the scale, soft cap, whether it masks, which of (b, h) its mask reads)."""
+    if score_mod is None:
+        return 1.0, None, False, (False, False)
+    if isinstance(score_mod, SoftCap):
+        return 1.0, score_mod.cap, False, (False, False)
+    form = _score_mod.analyse(score_mod, device)
+    return form.factor, form.cap, form.masks, form.reads[:2]
+
+
+@_compat.constant_while_tracing
+def _form_while_tracing(score_mod, device) -> tuple:
+    """(why it is refused or "", then `_form`'s), decided while Dynamo traces, which raises the
+    refusal in the traced code. A factor read from a captured tensor would be a constant of the
+    graph, blind to the tensor's next value: refused there."""
+    try:
+        form = _score_mod.analyse(score_mod, device)
+    except SplashConstraintError as error:
+        return str(error), 1.0, None, False, (False, False)
+    if form.captured:
+        refusal = (
+            f"score_mod {getattr(score_mod, '__name__', score_mod)!r} multiplies the score by a captured "
+            "tensor: under torch.compile splash folds factors into the scale, a constant of the graph. "
+            "Pass the factor as flex_attention's scale=, or as a Python number."
+        )
+        return refusal, 1.0, None, False, (False, False)
+    return "", form.factor, form.cap, form.masks, form.reads[:2]
 
 
 @contextlib.contextmanager
@@ -609,10 +785,12 @@ def route_flex(*modules):
     Yields:
         None.
     """
-    original = _torch_flex.flex_attention
+    # another block, open in another thread, may have rebound torch's module attribute
+    original = getattr(_torch_flex.flex_attention, "_torch_splash_routes", _torch_flex.flex_attention)
     routed = lambda *args, **kwargs: flex_attention(*args, **kwargs)  # noqa: E731  one object per routing
     routed.__wrapped__ = flex_attention
-    namespaces = [vars(m) for m in modules] if modules else _module_namespaces()
+    routed._torch_splash_routes = original
+    namespaces = [vars(m) for m in modules] if modules else _compat.module_namespaces()
     swapped = []
     for namespace in namespaces:
         for name, value in list(namespace.items()):
@@ -622,40 +800,12 @@ def route_flex(*modules):
     # Torch's function object runs splash's call: what holds the object itself (a compiled wrapper
     # reaches it by its code) is routed too. Renamed globals above change what Dynamo guards on, so
     # graphs compiled outside the block are not reused in it, nor these outside it.
-    own = (original.__code__, original.__defaults__, original.__kwdefaults__)
-    if not modules:
-        code = _splash_code(len(original.__code__.co_freevars))
-        original.__code__, original.__defaults__, original.__kwdefaults__ = code, None, None
+    swap = _compat.function_calls(original, __name__, "flex_attention") if not modules else contextlib.nullcontext()
     try:
-        yield
+        with swap:
+            yield
     finally:
-        if not modules:
-            original.__code__, original.__defaults__, original.__kwdefaults__ = own
-        restore = swapped if modules else [(d, n) for d in _module_namespaces() for n in list(d)]
+        restore = swapped if modules else [(d, n) for d in _compat.module_namespaces() for n in list(d)]
         for namespace, name in restore:
             if namespace.get(name) is routed:
                 namespace[name] = original
-
-
-@functools.lru_cache
-def _splash_code(free_variables: int):
-    """The code torch's flex_attention runs while routed: it calls torch_splash.flex_attention,
-    which it imports, since it runs among torch's module's globals. A function's code can only be
-    replaced by code of as many free variables (TorchTPU's patched flex_attention has four): these
-    are declared, never read."""
-    cells = [f"_cell{i}" for i in range(free_variables)]
-    lines = ["def _outer():", *(f"    {c} = None" for c in cells), "    def _call_splash(*args, **kwargs):"]
-    if cells:
-        lines += ["        if False:", f"            ({', '.join(cells)},)"]
-    lines += [
-        "        from torch_splash.flex import flex_attention",
-        "        return flex_attention(*args, **kwargs)",
-        "    return _call_splash",
-    ]
-    namespace = {}
-    exec("\n".join(lines), namespace)
-    return namespace["_outer"]().__code__
-
-
-def _module_namespaces() -> list[dict]:
-    return [d for d in (getattr(m, "__dict__", None) for m in list(sys.modules.values())) if isinstance(d, dict)]

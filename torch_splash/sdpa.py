@@ -39,8 +39,7 @@ def _causal_bias_mask(bias: CausalBias, q_len: int, kv_len: int) -> _masks.Mask:
 def _is_plain(t: torch.Tensor) -> bool:
     """A tensor whose values mean what they hold: not a subclass that overrides torch functions
     (such as CausalBias, whose storage is uninitialised)."""
-    handler = getattr(type(t).__torch_function__, "__func__", None)
-    return isinstance(t, torch.nn.Parameter) or handler is torch.Tensor.__torch_function__.__func__
+    return isinstance(t, torch.nn.Parameter) or not _compat.overrides_torch_function(t)
 
 
 def _bool_mask(attn_mask: torch.Tensor) -> torch.Tensor:

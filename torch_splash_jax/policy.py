@@ -49,6 +49,9 @@ MASK_SOURCES = 256
 # torch_splash.flex: the masks of the BlockMasks converted last (a model's layers share one), each
 # holding the partial blocks its mask_mod evaluated: keep few.
 FLEX_MASKS = 8
+# torch_splash._compat.function_calls: route_flex's trampoline codes, one per free-variable count of
+# the function it patches (torch's own: none; TorchTPU's: four); tiny.
+TRAMPOLINES = 8
 # torch_splash.masks._resolve_mask_mod: a FlexAttention mask_mod evaluated densely, (H, Lq, Lkv)
 # bools each: keep few.
 MASK_MODS = 32
