@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_splash
-from torch_splash import fit
+from torch_splash import _compat, fit
 
 pytestmark = pytest.mark.xla
 
@@ -176,3 +176,214 @@ def test_a_refusal_other_than_memory_is_shown_not_swallowed():
     report = fit.compile_step_hlo("HloModule broken\n\nENTRY main { oops }", "v5e")
     assert not report.fits and report.needed is None and report.error, report
     assert "refused the step" in str(report) and report.error.splitlines()[0] in str(report)
+
+
+# --- Buffer donation: the step as torch_xla compiles it at its boundary -------------------------
+
+
+def test_an_in_place_step_counts_its_weights_once():
+    """A bias-free Linear(256, 256) in bf16 updated in place by SGD, its gradient freed before the
+    boundary: torch_xla donates the weight's buffer, so the step's outputs (the new weight, 128
+    KiB) live in the argument's buffer. The donated bytes are exactly the weight's, and nothing
+    but temporaries comes on top of the arguments (HLO text without donors counted the weight
+    twice: total = arguments + outputs + temporaries)."""
+    import torch_xla
+
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16).to(device)
+    opt = torch.optim.SGD(linear.parameters(), lr=0.1)
+    x = torch.randn(8, 256, dtype=torch.bfloat16).to(device)
+
+    def step():
+        linear(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    report = fit.check(step, topology="v5e")
+    weight = 256 * 256 * 2
+    assert report.fits and report.donated == weight and report.outputs == weight, report
+    assert report.total == report.arguments + report.temporaries, report
+    assert report.arguments >= weight + x.numel() * 2, report
+
+
+def test_one_in_place_op_and_a_scalar_compile_and_are_donated():
+    """The smallest steps: one in-place op on a device matrix, and one on a device scalar; nothing
+    else in the graph, no outputs but the updated state."""
+    import torch_xla
+
+    device = torch_xla.device()
+    w = torch.zeros(512, 512).to(device)
+    s = torch.tensor(3.5).to(device)
+    _compat.materialize([w, s])  # on the device, as after a first step (a host scalar is a constant)
+    report = fit.check(lambda: s.add_(1.0), topology="v5e")
+    scalar = 512  # the TPU's smallest buffer
+    assert report.fits and report.donated == report.arguments == report.outputs == scalar, report
+    # a step is every pending tensor of the process, so s's update (never run) is part of this one too
+    report = fit.check(lambda: w.add_(1.0), topology="v5e")
+    assert report.fits and report.donated == w.numel() * 4 + scalar, report
+    assert report.total - report.temporaries < w.numel() * 4 + 4096, report  # the tuple of outputs beside
+
+
+AGREEMENT_SCRIPT = """
+import json, sys
+import torch, torch_xla
+from torch_splash import fit
+
+device = torch_xla.device()
+torch.manual_seed(0)
+if sys.argv[1] == "llama":
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).to(device)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 512, (2, 128)).to(device)
+    loss_of = lambda: model(input_ids=ids, labels=ids).loss
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).to(device)
+    x = torch.randn(16, 256).to(device)
+    loss_of = lambda: model(x).square().mean()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+def step():
+    loss_of().backward()
+    opt.step()
+    opt.zero_grad()
+
+step()
+torch_xla.sync()  # the first step, run: the optimizer's state exists from here on
+report = fit.check(step, topology="v5e")  # the second step, built and compiled by fit
+torch_xla.sync()  # the same step, compiled (and run) by torch_xla itself: XLA dumps its module
+print(json.dumps(dict(total=report.total, donated=report.donated, temporaries=report.temporaries)))
+"""
+
+
+def _hlo_module_of(hlo_proto: bytes) -> bytes:
+    """The HloModuleProto inside XLA's dump, an HloProto (its field 1, length-delimited)."""
+
+    def varint(at):
+        value, shift = 0, 0
+        while True:
+            byte = hlo_proto[at]
+            value, shift, at = value | (byte & 0x7F) << shift, shift + 7, at + 1
+            if byte < 0x80:
+                return value, at
+
+    at = 0
+    while at < len(hlo_proto):
+        tag, at = varint(at)
+        assert tag & 7 == 2, tag  # HloProto's fields are all messages
+        size, at = varint(at)
+        if tag >> 3 == 1:
+            return hlo_proto[at : at + size]
+        at += size
+    raise AssertionError("no hlo_module in the dump")
+
+
+def _torch_xla_s_own_module(tmp_path, kind: str) -> tuple[dict, dict]:
+    """fit's report of a model's second AdamW step, and the TPU compiler's figures for the module
+    torch_xla compiled for that same step, with the buffer donors torch_xla declared (read from
+    XLA's own dump of it)."""
+    import json
+    import re
+
+    from torch_splash_jax.tpu_time import aot
+
+    script = tmp_path / "agree.py"
+    script.write_text(textwrap.dedent(AGREEMENT_SCRIPT))
+    dump = tmp_path / "dump"
+    env = {
+        **os.environ,
+        "PJRT_DEVICE": "CPU",
+        "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_proto --xla_dump_hlo_as_text",
+    }
+    done = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = json.loads(done.stdout.strip().splitlines()[-1])
+    last = sorted(dump.glob("module_*.SyncTensorsGraph.*.before_optimizations.txt"))[-1]
+    header = last.read_text().splitlines()[0]
+    donors = re.findall(r"\((\d+), \{\}\)", re.search(r"buffer_donor=\{([^}]*\})*[^}]*\}", header)[0])
+    assert donors, header
+    proto = tmp_path / "step.pb"
+    proto.write_bytes(_hlo_module_of(last.with_name(last.name.replace(".txt", ".hlo.pb")).read_bytes()))
+    from torch_splash._fit_compiler import compiler_libtpu_dir
+
+    command = [sys.executable, "-m", "torch_splash_jax.tpu_time.aot", str(proto), "--topology", "v5e:2x2"]
+    env = aot.environment(str(compiler_libtpu_dir("v5e")))
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.getcwd()])
+    done = subprocess.run(command + ["--donate", ",".join(donors)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ours, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("llama", marks=pytest.mark.slow)])
+def test_fit_s_hbm_is_that_of_torch_xla_s_own_donated_module(tmp_path, kind):
+    """The second step of an MLP and of a tiny HF Llama (sdpa) with AdamW: weights and both moments
+    updated in place. fit's figures equal those of the module torch_xla itself compiled for the
+    step (dumped by XLA), compiled for v5e with the buffer donors torch_xla declared."""
+    ours, theirs = _torch_xla_s_own_module(tmp_path, kind)
+    assert theirs["fits"] and theirs["donated"] > 0, theirs
+    assert ours["donated"] == theirs["donated"], (ours, theirs)
+    assert ours["total"] == pytest.approx(theirs["total"], rel=0.01), (ours, theirs)
+
+
+def test_fit_never_installs_libtpu_unless_asked(monkeypatch, tmp_path):
+    """Missing, libtpu is refused with the command that installs it, and nothing is run."""
+    from torch_splash import _fit_compiler
+
+    monkeypatch.delenv("TORCH_SPLASH_LIBTPU_DIR", raising=False)
+    monkeypatch.delenv("TORCH_SPLASH_INSTALL_LIBTPU", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(_fit_compiler.compat, "installed", lambda name: None)
+    monkeypatch.setattr(_fit_compiler.subprocess, "run", lambda *a, **k: pytest.fail("ran a command"))
+    folder = tmp_path / ".cache" / "torch_splash" / "libtpu-0.0.21"
+    expected = f"pip install -q --no-deps --target {folder} libtpu==0.0.21"
+    with pytest.raises(torch_splash.SplashConstraintError, match="--install-libtpu") as refused:
+        fit.libtpu_dir("0.0.21")
+    assert expected in str(refused.value)
+
+
+def test_v7x_compiles_with_the_estimator_s_libtpu():
+    """libtpu 0.0.21 (torch_xla's) knows no v7x; the estimator's release compiles the step."""
+    import torch_xla
+
+    w = torch.zeros(256, 256).to(torch_xla.device())
+    report = fit.check(lambda: w.add_(1.0), topology="v7x")
+    assert report.fits and report.donated == w.numel() * 4 and report.topology == "v7x", report
+
+
+DECODE_SCRIPT = """
+import torch, torch_xla
+import torch_splash
+
+device = torch_xla.device()
+B, H, L, D = 2, 2, 1024, 64
+k_cache = torch.zeros(B, H, L, D, dtype=torch.bfloat16).to(device)
+v_cache = torch.zeros(B, H, L, D, dtype=torch.bfloat16).to(device)
+proj = torch.nn.Linear(D, 3 * D).to(torch.bfloat16).to(device)
+token = torch.randn(B, H, 1, D, dtype=torch.bfloat16).to(device)
+with torch.no_grad():
+    for position in range(4):  # a generate-style loop: one token a step, the cache updated in place
+        q, k, v = proj(token).chunk(3, -1)
+        index = torch.tensor([position], device=device)
+        k_cache.index_copy_(2, index, k)
+        v_cache.index_copy_(2, index, v)
+        token = torch_splash.attention(q, k_cache, v_cache)
+        torch_xla.sync()
+"""
+
+
+def test_a_decode_loop_s_second_step_counts_its_cache_once_and_is_timed(tmp_path):
+    """`--step 2`: the first step runs on the CPU, the second (the loop's steady state: the cache
+    an argument of the step, updated in place) is checked. Both caches (512 KiB each) are
+    donated and counted once, and the step's one attention call (no backward) is estimated."""
+    script = tmp_path / "decode.py"
+    script.write_text(textwrap.dedent(DECODE_SCRIPT))
+    report = fit.run_script(str(script), [], "v5e", estimate_time=True, step=2)
+    cache = 2 * 2 * 1024 * 64 * 2
+    assert report.fits and report.attention_calls == 1 and report.attention_seconds > 0, report
+    assert report.donated == 2 * cache, report  # the caches; the token is a new tensor each step
+    assert report.total == report.arguments + report.outputs - 2 * cache + report.temporaries, report
+    assert report.outputs < 2 * cache + 16384, report  # the caches, and the token, q, k, v the script holds

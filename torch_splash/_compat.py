@@ -300,6 +300,71 @@ def wait_device_ops() -> None:
     torch_xla._XLAC._xla_wait_device_ops([])
 
 
+def pending_hlo_proto(tensors) -> bytes:
+    """The pending graph that computes these torch_xla tensors as a serialized HLO module: the
+    same module as `pending_hlo_text`, without the round trip through text that XLA's parser does
+    not always take back."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo_proto(list(tensors))
+
+
+def tensor_id(tensor) -> int:
+    """torch_xla's unique id of the tensor (what orders its live tensors at a step boundary)."""
+    import torch_xla
+
+    return torch_xla._XLAC._xla_get_tensor_id(tensor)
+
+
+def tensor_alias_id(tensor) -> int:
+    """The id of the tensor whose buffer this tensor replaces when it is computed: its own id, or
+    the id of the tensor it updates in place (functionalization carries it over). torch_xla
+    prints it ("AliasID: N") in its tensor debug info and exposes it nowhere else."""
+    import re
+
+    import torch_xla
+
+    info = torch_xla._XLAC._get_xla_tensor_debug_info(tensor)
+    found = re.search(r"^AliasID: (-?\d+)$", info, re.MULTILINE)
+    if found is None:
+        from torch_splash_jax.errors import SplashVersionError
+
+        raise SplashVersionError(
+            f"torch_xla {_version('torch_xla')} no longer prints a tensor's AliasID in "
+            f"_get_xla_tensor_debug_info (checked: {CHECKED['torch_xla']}); torch_splash.fit cannot "
+            "tell which buffers a step donates."
+        )
+    return int(found[1])
+
+
+def graph_parameters(tensors) -> tuple[list[int], list]:
+    """The parameters of the pending graph of these tensors, in the graph's parameter order: for
+    each, the id of the tensor whose buffer it is (-1 for constants torch_xla made itself), and a
+    tensor of its shape and dtype."""
+    import torch_xla
+
+    ids, data = torch_xla._XLAC._get_tensors_xla_device_data_node(list(tensors))
+    return list(ids), list(data)
+
+
+def param_aliasing_enabled() -> bool:
+    """torch_xla donates at a step boundary unless XLA_ENABLE_PARAM_ALIASING is false or automatic
+    sharding is on (XLAGraphExecutor::GetBufferDonors)."""
+    false = ("0", "false", "no", "off")
+    if os.environ.get("XLA_ENABLE_PARAM_ALIASING", "1").strip().lower() in false:
+        return False
+    return os.environ.get("XLA_AUTO_SPMD", "0").strip().lower() in false
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def in_graph_function(name: str, hlo_module_proto: bytes):
     """A function of torch_xla tensors that adds this HLO module to the lazy graph."""
     import torch_xla.core.xla_builder as xla_builder

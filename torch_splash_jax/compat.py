@@ -315,12 +315,60 @@ def hlo_module_from_stablehlo(text: str) -> bytes:
     return convert(text, use_tuple_args=False, return_tuple=True).as_serialized_hlo_module_proto()
 
 
-def compile_hlo_for(proto: bytes, targets: tuple, partitions: int):
-    """Compile a serialized HLO module for these (deviceless TPU) devices; the executable."""
+def compile_hlo_for(proto: bytes, targets: tuple, partitions: int, donors: tuple[int, ...] = ()):
+    """Compile a serialized HLO module for these (deviceless TPU) devices; the executable. The
+    parameters numbered in `donors` are buffer donors: the compiler may reuse each one's buffer for
+    an output of its shape, as it does for the donors torch_xla declares at a step boundary."""
     from jax._src.lib import xla_client
 
     module = xla_client._xla.mlir.hlo_to_stablehlo(proto)
+    if donors:
+        module = _with_buffer_donors(module, donors)
     return compile_stablehlo_for(module, targets, partitions)
+
+
+def _with_buffer_donors(bytecode: bytes, donors: tuple[int, ...]) -> bytes:
+    """The module with `jax.buffer_donor` on these arguments of its entry function: the conversion
+    from HLO drops the module's own buffer_donor list, and this attribute is how a StableHLO module
+    says the same to the compiler (what JAX's donate_argnums emits when it leaves the pairing to
+    XLA)."""
+    from jax._src.interpreters import mlir
+
+    with mlir.make_ir_context():
+        module = mlir.ir.Module.parse(bytecode)
+        main = next(
+            op
+            for op in module.body.operations
+            if "sym_name" in op.attributes and mlir.ir.StringAttr(op.attributes["sym_name"]).value == "main"
+        )
+        count = len(mlir.ir.FunctionType(mlir.ir.TypeAttr(main.attributes["function_type"]).value).inputs)
+        if max(donors) >= count:
+            raise ValueError(f"buffer donors {sorted(donors)} for an entry function of {count} parameters")
+        old = list(mlir.ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else []
+        old += [mlir.ir.DictAttr.get({})] * (count - len(old))
+        attrs = []
+        for number, entries in enumerate(old):
+            entries = {named.name: named.attr for named in mlir.ir.DictAttr(entries)}
+            if number in donors:
+                entries["jax.buffer_donor"] = mlir.ir.BoolAttr.get(True)
+            attrs.append(mlir.ir.DictAttr.get(entries))
+        main.attributes["arg_attrs"] = mlir.ir.ArrayAttr.get(attrs)
+        return mlir.module_to_bytecode(module)
+
+
+def entry_parameter_count(proto: bytes) -> int:
+    """How many parameters a serialized HLO module's entry computation takes."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+
+    with mlir.make_ir_context():
+        module = mlir.ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(proto))
+        main = next(
+            op
+            for op in module.body.operations
+            if "sym_name" in op.attributes and mlir.ir.StringAttr(op.attributes["sym_name"]).value == "main"
+        )
+        return len(mlir.ir.FunctionType(mlir.ir.TypeAttr(main.attributes["function_type"]).value).inputs)
 
 
 def compile_stablehlo_for(module, targets: tuple, partitions: int):

@@ -5,8 +5,8 @@ libtpu must be importable and JAX kept on the CPU; `environment(libtpu_dir)` is 
 process needs for that. torch_splash.fit (users' own steps), the test suite and the benchmarks run
 it in processes of their own, so JAX never takes libtpu for a backend in ordinary runs. Any HLO
 module compiles the same way: torch_splash's programs as the in-graph transport hands them to
-torch_xla, whole torch_xla training steps (`torch_splash._compat.pending_hlo_text`, through
-`hlo_text_to_proto`), and the StableHLO modules TorchTPU's `jax_op` exports (`compile_stablehlo`).
+torch_xla, whole torch_xla training steps (their serialized module, with the buffer donors torch_xla
+declares at a step boundary), and the StableHLO modules TorchTPU's `jax_op` exports (`compile_stablehlo`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def environment(libtpu_dir: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env.update(_LIBTPU_SETTINGS)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_dir, env.get("PYTHONPATH", "")) if p)
+    library = pathlib.Path(libtpu_dir) / "libtpu" / "libtpu.so" if libtpu_dir else None
+    if library is not None and library.is_file():  # JAX 0.7.1 finds a newer libtpu (v7x's) only so
+        env["TPU_LIBRARY_PATH"] = str(library)
     return env
 
 
@@ -88,15 +91,22 @@ class OutOfMemory(Exception):
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
 # one buffer larger than HBM: the compiler stops there, so its size is a lower bound of the need
 _OOM_BUFFER = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
+# newer libtpu (0.0.52): "the total memory required for HLO temporaries (1.00T) exceeds available
+# HBM (94.74G)": the temporaries alone, so a lower bound too
+_OOM_TEMPORARIES = re.compile(
+    r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
+)
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def compile_hlo(proto: bytes, generation: str, partitions: int = 1) -> Memory:
+def compile_hlo(proto: bytes, generation: str, partitions: int = 1, donors: tuple[int, ...] = ()) -> Memory:
     """Compile a serialized HLO module for `partitions` devices of `generation`, a generation or a
-    topology name as `devices` takes (SPMD-partitioned
-    by its sharding annotations when more than one). Raises OutOfMemory when it does not fit in
-    HBM, and the compiler's own error for anything else it refuses."""
-    return _compiled(compat.compile_hlo_for, proto, devices(generation), partitions)
+    topology name as `devices` takes (SPMD-partitioned by its sharding annotations when more than
+    one), with the parameters numbered in `donors` as buffer donors (their buffers reusable for
+    outputs of their shape: `Memory.aliased`). Raises OutOfMemory when it does not fit in HBM, and
+    the compiler's own error for anything else it refuses."""
+    compile_for = functools.partial(compat.compile_hlo_for, donors=tuple(donors))
+    return _compiled(compile_for, proto, devices(generation), partitions)
 
 
 def compile_stablehlo(module, generation: str, partitions: int = 1) -> Memory:
@@ -115,6 +125,10 @@ def _compiled(compile_for, module, targets: tuple, partitions: int) -> Memory:
             raise OutOfMemory(message, float(used[1]) * _UNITS[used[2]], float(used[3]) * _UNITS[used[4]]) from None
         if buffer is not None:
             raise OutOfMemory(message, float(buffer[1]), float(buffer[2]), lower_bound=True) from None
+        temporaries = _OOM_TEMPORARIES.search(str(error))
+        if temporaries is not None:
+            needed, capacity = (float(temporaries[i]) * _UNITS[temporaries[i + 1]] for i in (1, 3))
+            raise OutOfMemory(message, needed, capacity, lower_bound=True) from None
         raise
     stats = executable.get_compiled_memory_stats()
     return Memory(
@@ -132,11 +146,22 @@ def hlo_text_to_proto(text: str) -> bytes:
     return compat.hlo_module_from_text(text)
 
 
-def report(hlo_path: str, topology: str, partitions: int = 1) -> dict:
-    """What the compiler says of the HLO text in `hlo_path` for `partitions` chips of `topology`:
-    fits (with the memory analysis), or does not (with the HBM it asked for, or its own error)."""
+def report(
+    path: str, topology: str, partitions: int = 1, donors: tuple[int, ...] = (), parameters: int | None = None
+) -> dict:
+    """What the compiler says of the HLO module in `path` (serialized, or text when the name ends
+    in .hlo) for `partitions` chips of `topology`, with these buffer donors: fits (with the memory
+    analysis), or does not (with the HBM it asked for, or its own error). With `parameters`, a
+    module whose entry takes another number of parameters is refused: the donors would be others."""
+    data = pathlib.Path(path).read_bytes()
     try:
-        memory = compile_hlo(hlo_text_to_proto(pathlib.Path(hlo_path).read_text()), topology, partitions)
+        proto = hlo_text_to_proto(data.decode()) if path.endswith(".hlo") else data
+        if parameters is not None and compat.entry_parameter_count(proto) != parameters:
+            raise ValueError(
+                f"the step's module takes {compat.entry_parameter_count(proto)} parameters where "
+                f"{parameters} were expected: its buffer donors cannot be placed"
+            )
+        memory = compile_hlo(proto, topology, partitions, donors)
     except OutOfMemory as oom:
         return dict(
             chips=partitions,
@@ -155,22 +180,27 @@ def report(hlo_path: str, topology: str, partitions: int = 1) -> dict:
         arguments=memory.arguments,
         outputs=memory.outputs,
         temporaries=memory.temp,
+        donated=memory.aliased,
         code=memory.code,
         total=memory.total,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m torch_splash_jax.aot STEP.hlo --topology v5e:2x2 [--partitions N]`, in a process
+    """`python -m torch_splash_jax.aot STEP.pb --topology v5e:2x2 [--partitions N] [--donate 0,3]`, in a process
     with `environment(...)`: prints `report(...)` as one JSON line (torch_splash.fit runs it)."""
     parser = argparse.ArgumentParser(
         prog="python -m torch_splash_jax.aot", description="Compile an HLO module for TPU without one; report its HBM."
     )
-    parser.add_argument("hlo", help="a file of HLO text")
+    parser.add_argument("hlo", help="a serialized HLO module, or HLO text in a file named *.hlo")
     parser.add_argument("--topology", required=True, help="a topology name, e.g. v5e:2x2")
     parser.add_argument("--partitions", type=int, default=1)
+    parser.add_argument("--donate", default="", help="parameter numbers whose buffers are donated, e.g. 0,3,4")
+    parser.add_argument("--parameters", type=int, default=None, help="the number of parameters the module takes")
     options = parser.parse_args(argv)
-    print(json.dumps(report(options.hlo, options.topology, options.partitions)), flush=True)
+    donors = tuple(int(n) for n in options.donate.split(",") if n)
+    fields = report(options.hlo, options.topology, options.partitions, donors, options.parameters)
+    print(json.dumps(fields), flush=True)
     return 0
 
 

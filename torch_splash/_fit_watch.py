@@ -1,0 +1,105 @@
+"""Building one step without running it: torch_splash's kernels planned for TPU, and any read of
+a device value before the step's boundary (which would execute part of its graph early) caught,
+with the user's line that made it. The reads are caught by wrapping torch.Tensor's reading
+methods for the duration, and restored after."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+
+from torch_splash_jax import SplashConstraintError
+
+from ._transport import planned_for_tpu
+
+# The torch.Tensor methods that read a value back to the host
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__", "numpy")
+
+
+class EarlyExecution(SplashConstraintError):
+    """The step read a device value before its boundary (`.item()`, a print, a Python branch on a
+    tensor): part of its graph would have run early, so the graph at the boundary is not the step."""
+
+
+class _Watch:
+    """Executions torch_xla made since `restart()`, and the first user line that read a value."""
+
+    def __init__(self):
+        self.start = self.executions()
+        self.line: list[str] = []
+
+    @staticmethod
+    def executions() -> int:
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("ExecuteTime")
+        return 0 if data is None else data[0]
+
+    def restart(self) -> None:
+        """Count from here, once what is already scheduled has run."""
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        self.start, self.line[:] = self.executions(), []
+
+    def executed(self) -> bool:
+        return self.executions() > self.start
+
+
+@contextlib.contextmanager
+def watching_executions(settle: bool = False):
+    """Yields a _Watch: torch.Tensor's reading methods record the first user line that read an
+    XLA tensor's value. With `settle`, it counts from when the executions already scheduled (a
+    boundary runs its step asynchronously) have run: they are not the step's. (Not before a
+    script starts: that would start torch_xla's runtime before the script chooses SPMD.)"""
+    watch = _Watch()
+    if settle:
+        watch.restart()
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def watched(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            if self.device.type == "xla" and not watch.line:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/torch" not in f.filename]
+                if frames:
+                    watch.line.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, watched(name))
+    try:
+        yield watch
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def early(watch: _Watch, error: BaseException | None = None) -> EarlyExecution:
+    where = f" at {watch.line[0]}" if watch.line else ""
+    cause = f" ({type(error).__name__}: {str(error).splitlines()[0][:200]})" if error is not None else ""
+    return EarlyExecution(
+        f"the step read a device value before its boundary{where}{cause}: that runs part of the graph early, "
+        "so what reaches the boundary is not the whole step. Move the read after the step (or log with "
+        "torch_xla's step closures)."
+    )
+
+
+@contextlib.contextmanager
+def building_one_step(watch: _Watch):
+    """Inside: the graph is built with the kernels planned for TPU; anything that executed part of
+    it before its boundary is reported as EarlyExecution (naming the line it can find)."""
+    with planned_for_tpu():
+        try:
+            yield
+        except Exception as error:
+            if watch.executed() or watch.line:
+                raise early(watch, error) from error
+            raise
+        if watch.executed():
+            raise early(watch)
