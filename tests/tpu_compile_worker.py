@@ -66,25 +66,7 @@ def case_plan(case: dict):
         mask = documents_mask(case["q_len"])
     else:
         mask = eval(mask, vars(masks))  # a constructor call such as "CausalMask(0) & LocalMask(255)"
-    blocks = case.get("blocks")
-    if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
-        return torch_splash_jax.decode.decode_plan(
-            batch=case.get("batch", 1),
-            num_q_heads=case["hq"],
-            num_kv_heads=case["hkv"],
-            q_len=case["q_len"],
-            kv_len=case["kv_len"],
-            head_dim=case["d"],
-            head_dim_v=case.get("dv", case["d"]),
-            dtype=case["dtype"],
-            mask=mask,
-            scale=case.get("scale", case["d"] ** -0.5),
-            soft_cap=case.get("soft_cap"),
-            has_segment_ids=case.get("segment_ids", False),
-            has_sinks=case.get("sinks", False),
-            platform="tpu",
-        )
-    return torch_splash_jax.plan(
+    fields = dict(
         batch=case.get("batch", 1),
         num_q_heads=case["hq"],
         num_kv_heads=case["hkv"],
@@ -98,8 +80,13 @@ def case_plan(case: dict):
         soft_cap=case.get("soft_cap"),
         has_segment_ids=case.get("segment_ids", False),
         has_sinks=case.get("sinks", False),
-        block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks),
         platform="tpu",
+    )
+    if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
+        return torch_splash_jax.decode.decode_plan(**fields)
+    blocks = case.get("blocks")
+    return torch_splash_jax.plan(
+        **fields, block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks)
     )
 
 

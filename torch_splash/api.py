@@ -16,39 +16,43 @@ from torch_splash_jax import text as jax_text
 from . import _checks, _compat, _compile, _ops, _sharding, _transport  # noqa: F401 (_compile: registers the options)
 
 
-def _plan(
-    call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None
-) -> torch_splash_jax.Plan:
-    """The plan of a checked call: at the shapes each device sees when sharded."""
-    # ints: under torch.compile these are fake tensors' sizes, specialised (`_checks.static_shape`)
+def _fields(call: _checks.CheckedCall) -> dict:
+    """What every plan of a checked call is made of: its sizes (ints: under torch.compile these are
+    fake tensors' sizes, specialised by `_checks.static_shape`), dtype, mask and options."""
     batch, q_heads, q_len, head_dim = (int(n) for n in call.q.shape)
-    kv_heads, kv_len, head_dim_v = int(call.k.shape[1]), int(call.k.shape[2]), int(call.v.shape[-1])
-    q_shards, layout, head_shards, context_parallel = 1, "contiguous", 1, "all_gather"
-    if sharding is not None:
-        batch, q_heads, kv_heads = sharding.local(batch, q_heads, kv_heads)
-        q_shards, layout, head_shards = sharding.q_shards, sharding.layout, sharding.shards(sharding.heads)
-        context_parallel = sharding.context_parallel
-    return torch_splash_jax.plan(
+    return dict(
         batch=batch,
         num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(call.k.shape[1]),
         q_len=q_len,
-        kv_len=kv_len,
+        kv_len=int(call.k.shape[2]),
         head_dim=head_dim,
-        head_dim_v=head_dim_v,
+        head_dim_v=int(call.v.shape[-1]),
         dtype=_checks.dtype_name(call.q),
         mask=call.mask,
         scale=call.scale,
         soft_cap=call.soft_cap,
         has_segment_ids=call.segment_ids is not None,
-        block_sizes=block_sizes,
-        platform=platform,
         has_sinks=call.sinks is not None,
-        q_shards=q_shards,
-        sequence_layout=layout,
-        head_shards=head_shards,
-        context_parallel=context_parallel,
+        platform=call.platform,
     )
+
+
+def _plan(
+    call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None
+) -> torch_splash_jax.Plan:
+    """The plan of a checked call: at the shapes each device sees when sharded."""
+    fields = dict(_fields(call), platform=platform, block_sizes=block_sizes)
+    if sharding is not None:
+        local = sharding.local(fields["batch"], fields["num_q_heads"], fields["num_kv_heads"])
+        fields.update(zip(("batch", "num_q_heads", "num_kv_heads"), local))
+        fields.update(
+            q_shards=sharding.q_shards,
+            sequence_layout=sharding.layout,
+            head_shards=sharding.shards(sharding.heads),
+            context_parallel=sharding.context_parallel,
+        )
+    return torch_splash_jax.plan(**fields)
 
 
 def _decode_plan(call: _checks.CheckedCall, kernel, block_sizes, sharding, backward: bool):
@@ -60,35 +64,25 @@ def _decode_plan(call: _checks.CheckedCall, kernel, block_sizes, sharding, backw
         )
     if kernel == "splash":
         return None
-    batch, q_heads, q_len, head_dim = (int(n) for n in call.q.shape)
-    kv_heads, kv_len = int(call.k.shape[1]), int(call.k.shape[2])
-    dtype = _checks.dtype_name(call.q)
+    fields = _fields(call)
     reason = decode.refusal(
-        call.mask, q_len=q_len, kv_len=kv_len, sharded=sharding is not None, block_sizes=block_sizes, dtype=dtype
+        call.mask,
+        q_len=fields["q_len"],
+        kv_len=fields["kv_len"],
+        sharded=sharding is not None,
+        block_sizes=block_sizes,
+        dtype=fields["dtype"],
     )
     if reason is None and backward:
         reason = "it has no backward, and this call needs gradients (the splash kernels have one)"
     if kernel == "decode":
         if reason is not None:
             raise decode.explicit_refusal(reason)
-    elif reason is not None or not decode.takes_by_default(q_heads, kv_heads, q_len, kv_len):
+    elif reason is not None or not decode.takes_by_default(
+        fields["num_q_heads"], fields["num_kv_heads"], fields["q_len"], fields["kv_len"]
+    ):
         return None
-    return decode.decode_plan(
-        batch=batch,
-        num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
-        q_len=q_len,
-        kv_len=kv_len,
-        head_dim=head_dim,
-        head_dim_v=int(call.v.shape[-1]),
-        dtype=dtype,
-        mask=call.mask,
-        scale=call.scale,
-        soft_cap=call.soft_cap,
-        has_segment_ids=call.segment_ids is not None,
-        has_sinks=call.sinks is not None,
-        platform=call.platform,
-    )
+    return decode.decode_plan(**fields)
 
 
 def attention(
