@@ -65,14 +65,7 @@ def _decode_plan(call: _checks.CheckedCall, kernel, block_sizes, sharding, backw
     if kernel == "splash":
         return None
     fields = _fields(call)
-    reason = decode.refusal(
-        call.mask,
-        q_len=fields["q_len"],
-        kv_len=fields["kv_len"],
-        sharded=sharding is not None,
-        block_sizes=block_sizes,
-        dtype=fields["dtype"],
-    )
+    reason = decode.refusal(call.mask, sharded=sharding is not None, block_sizes=block_sizes, dtype=fields["dtype"])
     if reason is None and backward:
         reason = "it has no backward, and this call needs gradients (the splash kernels have one)"
     if kernel == "decode":

@@ -98,7 +98,7 @@ class DecodePlan:
         return np.asarray(out, np.int32)
 
 
-def refusal(mask, *, q_len: int, kv_len: int, sharded: bool, block_sizes, dtype: str) -> str | None:
+def refusal(mask, *, sharded: bool, block_sizes, dtype: str) -> str | None:
     """Why the decode kernel cannot serve such a call, or None when it can."""
     if sharded:
         return "it runs unsharded calls only (no partition_spec)"
@@ -109,17 +109,11 @@ def refusal(mask, *, q_len: int, kv_len: int, sharded: bool, block_sizes, dtype:
             f"its mask is {type(mask).__name__}: it serves masks every query head shares, evaluated from positions "
             "(full, causal, local, chunked, prefix and their & and |), with segment ids for data"
         )
-    if any(isinstance(leaf, _masks.MultiHeadMask) for leaf in _leaves(mask)):
+    if any(isinstance(leaf, _masks.MultiHeadMask) for leaf in _masks._leaves(mask)):
         return "its mask holds a per-head mask"
     if dtype not in ("float32", "bfloat16"):
         return f"dtype {dtype}"
     return None
-
-
-def _leaves(mask):
-    if isinstance(mask, (_masks.And, _masks.Or)):
-        return [*_leaves(mask.left), *_leaves(mask.right)]
-    return [mask]
 
 
 def takes_by_default(num_q_heads: int, num_kv_heads: int, q_len: int, kv_len: int) -> bool:
