@@ -105,31 +105,22 @@ def _kernel(
             allowed = _and(allowed, q_ids_ref[...] == kv_ids_ref[...])
         if allowed is not None:
             allowed = jnp.broadcast_to(allowed, (block_rows, block_kv))
-        # One static step per head, so that the TPU compiler's schedule shows all of them (the
-        # estimator reads it); each head's logits die before the next head's are made.
+        # One static step per head, so that the TPU compiler's schedule shows all of them. Head
+        # h + 1's logits are issued before head h's softmax and p v: the MXU runs its matmuls in
+        # program order, so this lets the pushes of the next head's keys overlap this head's
+        # softmax; two heads' logits are live at a time, not all of them.
+        head = functools.partial(
+            _one_head_logits, q_ref, k_ref, scale=scale, soft_cap=soft_cap, allowed=allowed, compute_dtype=compute_dtype
+        )
+        logits = head(0)
         for h in range(block_heads):
-            _attend_one_head(
-                h,
-                q_ref,
-                k_ref,
-                v_ref,
-                acc_ref,
-                m_ref,
-                l_ref,
-                allowed,
-                block,
-                scale,
-                soft_cap,
-                block_kv,
-                kv_len,
-                compute_dtype,
-            )
+            following = head(h + 1) if h + 1 < block_heads else None
+            _one_head_update(h, logits, v_ref, acc_ref, m_ref, l_ref, allowed, block, block_kv, kv_len, compute_dtype)
+            logits = following
 
 
-def _attend_one_head(
-    h, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, allowed, block, scale, soft_cap, block_kv, kv_len, compute_dtype
-):
-    """The online softmax of one kv head's rows over one kv block."""
+def _one_head_logits(q_ref, k_ref, h, *, scale, soft_cap, allowed, compute_dtype):
+    """Head h's masked logits over the block, float32."""
     q = (q_ref[h].astype(jnp.float32) * scale).astype(compute_dtype)
     k = k_ref[h].astype(compute_dtype)
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -137,6 +128,11 @@ def _attend_one_head(
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     if allowed is not None:
         logits = jnp.where(allowed, logits, MASKED)
+    return logits
+
+
+def _one_head_update(h, logits, v_ref, acc_ref, m_ref, l_ref, allowed, block, block_kv, kv_len, compute_dtype):
+    """The online softmax of head h's rows over one kv block, from its logits."""
     m_prev, l_prev = m_ref[h][:, :1], l_ref[h][:, :1]
     m_next = jnp.maximum(m_prev, logits.max(axis=1, keepdims=True))
     p = jnp.exp(logits - m_next)
