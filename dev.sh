@@ -23,6 +23,8 @@
 #                          from the compiler's schedule, against tokamax's measured times)
 #   ./dev.sh bench-decode       runs benchmarks/bench_decode.py in the current set (decode steps and chunked
 #                          prefill: the decode kernel against splash, dense attention and the HBM floor, estimated)
+#   ./dev.sh bench-hf-decode    runs benchmarks/bench_hf_decode.py (one HF Llama layer's decode step, splash vs
+#                          sdpa, through torch_splash.fit: estimated time and HBM per generation)
 # Every bench-* command takes --quick (a smoke run; the test suite runs each one that way).
 #   ./dev.sh bench-report  rewrites docs/benchmarks.md from benchmarks/results/*.json (--check: compare only)
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
@@ -165,12 +167,14 @@ case "$cmd" in
     JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_tpu_time.py "$@" ;;
   bench-decode) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_decode.py "$@" ;;
+  bench-hf-decode) install_libtpu; exec .venv/bin/python benchmarks/bench_hf_decode.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
           "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-decode |" \
+          "bench-hf-decode |" \
           "bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

@@ -438,6 +438,26 @@ def _decode(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _hf_decode(r: dict) -> str:
+    lines = [
+        "Milliseconds per decode step and, in parentheses, times the HBM floor (reading the layer's k and v "
+        "caches once); splash: the attention kernels' estimate plus XLA's estimate of the rest; HBM: the step's "
+        "per device, the cache (donated) counted once.",
+        "",
+        "| chip | cache | B | floor ms | sdpa | splash | sdpa / splash | HBM sdpa GiB | HBM splash GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        floor, sdpa, splash = row["floor"], row["sdpa"], row["splash"]
+        speedup = f"{sdpa['seconds'] / splash['seconds']:.2f}x" if "seconds" in sdpa and "seconds" in splash else ""
+        hbm = [f"{part['hbm'] / (1 << 30):.2f}" if "hbm" in part else "" for part in (sdpa, splash)]
+        lines.append(
+            f"| {row['generation']} | {_tokens(row['cache'])} | {row['batch']} | {floor * 1e3:.3f} | "
+            f"{_decode_cell(sdpa, floor)} | {_decode_cell(splash, floor)} | {speedup} | {hbm[0]} | {hbm[1]} |"
+        )
+    return "\n".join(lines)
+
+
 def _memory(r: dict) -> str:
     lines = [
         f"Program cache of {r['cache']}, {r['shapes']} shapes. Per new shape: RSS (MB) and live jaxprs while the cache "
@@ -706,6 +726,16 @@ SECTIONS = {
         "the splash kernels (schedule plus HBM plus a stall per grid unit), its other ops at XLA's own estimate. "
         "The decode kernel's steps are counted at the call's key ranges (data: a shorter sequence runs fewer).",
         _decode,
+    ),
+    "hf_decode": (
+        'One HuggingFace decode step: attn_implementation="splash" vs "sdpa" (TPU compiler, estimates)',
+        "One LlamaForCausalLM layer (hidden 4096, MLP 14336, 32/8 heads of 128, bf16) with a StaticCache, one "
+        "token per sequence at the middle of the cache, the position as data, built on torch_xla's CPU device and "
+        "checked by torch_splash.fit.check for one device of each generation (libtpu, deviceless): the attention "
+        "kernels estimated from the compiler's schedule, the rest of the step at XLA's own estimate (sdpa: all of "
+        "it). The decode kernel's time is counted over the whole cache (an upper bound: it skips blocks past the "
+        "position). Estimates, not measurements (docs/tpu_time.md).",
+        _hf_decode,
     ),
     "tpu_time": (
         "TPU kernel time, estimated from the TPU compiler's schedule (no TPU), against tokamax's measured times",
