@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError, decode
-from torch_splash_jax import text as jax_text
+from torch_splash_jax import SplashConstraintError, decode, serialization
 
-from . import _checks, _compat, _compile, _ops, _sharding, _transport  # noqa: F401 (_compile: registers the options)
+from . import _checks, _compat, _compile_constants, _ops, _sharding, _transport
+
+_compile_constants.register_options()
 
 
 def _fields(call: _checks.CheckedCall) -> dict:
@@ -155,14 +156,14 @@ def attention(
         Both are raised before any JAX work; both are ``torch_splash.SplashError``.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    # Under compile a structured mask crosses as its source text (see _compile).
+    # Under compile a structured mask crosses as its source text (see _compile_constants).
     source = None
     if torch.compiler.is_compiling():
         for t in (q, k, v):
             if isinstance(t, torch.Tensor):  # others are refused by name in the checks
                 _checks.static_shape(t)
         scale, soft_cap = _checks.static_float(scale), _checks.static_float(soft_cap)
-        source = jax_text.mask_source(mask)
+        source = serialization.mask_source(mask)
     options = dict(
         mask=mask if source is None else None,
         mask_source=source,
@@ -208,7 +209,7 @@ def _attention(
     """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
     scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
     if mask_source is not None:
-        mask = jax_text.mask_from_source(mask_source)
+        mask = serialization.mask_from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout, context_parallel)
     if return_lse and (sharding is not None or call.sinks is not None):
@@ -227,7 +228,7 @@ def _attention(
     if plan is not None:
         _transport.record(plan, False)
         out, lse = _ops.decode(
-            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, jax_text.plan_text(plan)[0], transport or ""
+            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, serialization.plan_text(plan)[0], transport or ""
         )
         return _returned(call, out, lse if return_lse else None)
     plan = _plan(call, block_sizes, call.platform, sharding)

@@ -29,7 +29,7 @@ from .plan import BlockSizes, Plan, balanced_chunk_order, plan
 from .plan import check_context_parallel as check_context_parallel  # for torch_splash
 from .plan import check_sequence_layout as check_sequence_layout  # for torch_splash
 from .plan import lane_padded as lane_padded  # for torch_splash
-from .programs import program
+from .program_cache import program
 
 __all__ = [
     "BlockSizes",

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import compat
 from .errors import SplashConstraintError, SplashDtypeError
-from .options import Immutable
+from .immutable import Immutable
 
 
 def _check_int(owner: str, name: str, value, *, allow_none: bool = False, minimum: int | None = None):
@@ -560,7 +560,7 @@ def shared_structured_mask(mask: Mask) -> Mask | None:
 
 
 # The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
-# other structured masks). torch_splash registers them for torch.compile, and torch_splash_jax.text
+# other structured masks). torch_splash registers them for torch.compile, and torch_splash_jax.serialization
 # writes them as source text, from this one tuple.
 STRUCTURED = (FullMask, CausalMask, LocalMask, PrefixMask, ChunkedCausalMask, And, Or, MultiHeadMask)
 # The masks that are data: arrays, bound to one (Lq, Lkv), equal by content.

@@ -22,8 +22,8 @@ import numpy as np
 
 from . import policy
 from .errors import SplashConstraintError, SplashDtypeError
+from .immutable import Immutable
 from .masks import FullMask, MultiHeadMask, shared_structured_mask
-from .options import Immutable
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
