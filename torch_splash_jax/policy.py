@@ -29,7 +29,7 @@ PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
 STORED_SHAPES = 32
 # See the module docstring.
 CLEAR_JAX_CACHES = os.environ.get("TORCH_SPLASH_CLEAR_JAX_CACHES", "0") == "1"
-# torch_splash_jax.plan.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
+# torch_splash_jax.block_planning.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
 PLANS = 1024
 # torch_splash_jax.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
 # milliseconds.
