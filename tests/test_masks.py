@@ -196,7 +196,7 @@ def test_floor_division_inside_the_kernel_equals_numpy_s_for_every_sign():
     import jax.numpy as jnp
     import numpy as np
 
-    from torch_splash_jax.masks import _floor_div
+    from torch_splash_jax.structured_masks import _floor_div
 
     x = np.arange(-600, 600, dtype=np.int32)
     for divisor in (1, 3, 7, 128, 4096):
