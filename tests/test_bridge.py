@@ -75,13 +75,13 @@ def test_non_contiguous_inputs_like_hf_transposed_views():
 def test_second_call_traces_nothing():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 64, 64, torch.float32, seed=3)
     torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    before = dict(torch_splash_jax.kernels.TRACES)
+    before = dict(torch_splash_jax.splash_program.TRACES)
     for _ in range(2):
         torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    assert dict(torch_splash_jax.kernels.TRACES) == before
+    assert dict(torch_splash_jax.splash_program.TRACES) == before
     torch_splash.attention(q, k, v, "causal", scale=0.5).sum().backward()  # a new option is a new program
-    assert torch_splash_jax.kernels.TRACES["forward"] == before["forward"] + 1
-    assert torch_splash_jax.kernels.TRACES["backward"] == before["backward"] + 1
+    assert torch_splash_jax.splash_program.TRACES["forward"] == before["forward"] + 1
+    assert torch_splash_jax.splash_program.TRACES["backward"] == before["backward"] + 1
 
 
 def test_backward_runs_only_the_backward_kernels():

@@ -14,8 +14,6 @@ from . import decode
 from .block_sizes import BlockSizes
 from .decode import DecodePlan
 from .kernel_limits import lane_padded as lane_padded  # for torch_splash
-from .kernels import EMPTY_ROW_LSE as EMPTY_ROW_LSE  # for torch_splash
-from .kernels import Program
 from .masks import (
     BlockSparseMask,
     CausalMask,
@@ -32,6 +30,8 @@ from .program_cache import program
 from .sequence_layout import balanced_chunk_order
 from .sequence_layout import check_context_parallel as check_context_parallel  # for torch_splash
 from .sequence_layout import check_sequence_layout as check_sequence_layout  # for torch_splash
+from .splash_program import EMPTY_ROW_LSE as EMPTY_ROW_LSE  # for torch_splash
+from .splash_program import Program
 
 __all__ = [
     "BlockSizes",

@@ -267,7 +267,7 @@ class DecodeProgram:
         return jnp.stack([first, end], axis=1).reshape(-1).astype(jnp.int32)
 
     def _run(self, *arrays):
-        from .kernels import TRACES
+        from .splash_program import TRACES
 
         TRACES["decode"] += 1
         p = self.plan

@@ -23,7 +23,7 @@ import threading
 # torch_splash_jax.program_cache.program: a plan's jitted forward, infer and backward with their block tables.
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
 PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
-# torch_splash_jax.kernels: the first program of each shape of stored-block tables, whose jitted
+# torch_splash_jax.splash_program: the first program of each shape of stored-block tables, whose jitted
 # functions the programs of masks with other contents in those shapes run. Each holds its compiled
 # executables and its own mask's tables.
 STORED_SHAPES = 32
