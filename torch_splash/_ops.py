@@ -1,5 +1,5 @@
 """Splash as torch.library custom ops with autograd: what `attention` runs once a call is checked
-and planned.
+and planned (`attend`).
 
 Three ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
 logsumexp residual), `infer` (output only, where no gradient is needed) and `backward` (dq, dk,
@@ -191,6 +191,25 @@ def decode(
 @decode.register_fake
 def _(q, k, v, q_ids, kv_ids, sinks, plan, transport):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def attend(call, plan, sharding, transport: str | None, needs_grad: bool, return_lse: bool):
+    """A checked, planned call (`_checks.CheckedCall`, its `Plan` or `DecodePlan`) through its op:
+    (out, the logsumexp (B, Hq, Lq) with -inf on rows that see no key, or None without return_lse).
+    Without gradients the infer op runs: no autograd graph, no residuals."""
+    q_ids, kv_ids = call.segment_ids or (None, None)
+    tensors = (call.q, call.k, call.v, q_ids, kv_ids, call.sinks)
+    if isinstance(plan, torch_splash_jax.DecodePlan):
+        out, lse = decode(*tensors, serialization.plan_text(plan)[0], transport or "")
+        return out, lse if return_lse else None
+    called = (*op_arguments(plan, sharding), transport or "")
+    if not (needs_grad or return_lse):
+        return infer(*tensors, *called), None
+    out, lse = forward(*tensors, *called)
+    if not return_lse:
+        return out, None
+    lse = lse[..., : plan.q_len]
+    return out, torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
 
 
 def _save_residuals(ctx, inputs, output):
