@@ -1,4 +1,5 @@
-"""The splash programs the bridge runs: one jitted forward and one jitted backward per plan.
+"""A plan's splash program (`Program`): its jitted forward, infer and backward, what torch_splash's
+custom ops run.
 
 forward(q, k, v[, q_ids, kv_ids][, sinks]) -> (out, logsumexp)
     scales k (the kernel applies no softmax scale), pads to the plan's lengths and runs the
