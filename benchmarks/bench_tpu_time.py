@@ -201,8 +201,8 @@ def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -
 # MaxText's defaults for JAX's splash, and torch_splash's TPU plan before the search chose it
 MAXTEXT = _blocks((512, 512), (512, 512), 512, dq=(512, 512))
 # The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation);
-# the plan (torch_splash_jax.plan._TARGETS) takes the fastest, its fused dq buffer kept to at most 8 q's
-# or 2 GiB (torch_splash_jax.plan.FUSED_DQ_BUFFER_BYTES)
+# the plan (torch_splash_jax.block_planning._TARGETS) takes the fastest, its fused dq buffer kept to at most 8 q's
+# or 2 GiB (torch_splash_jax.kernel_limits.FUSED_DQ_BUFFER_BYTES)
 CANDIDATES = {
     "512 separate (MaxText)": MAXTEXT,
     "512 fused": _blocks((512, 512), (512, 512), 512),

@@ -549,7 +549,8 @@ def _blocks(b: dict) -> str:
 
 
 def _tpu_time_search(rows: list) -> list[str]:
-    from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES, dq_buffer_fits
+    from torch_splash_jax.block_planning import dq_buffer_fits
+    from torch_splash_jax.kernel_limits import FUSED_DQ_BUFFER_BYTES
 
     names = [n for n in rows[0]["ms"] if n != "planned"]  # every row runs the same candidates
     lines = [

@@ -172,7 +172,8 @@ def backward_kernels(blocks: dict) -> int:
 def tpu_training_kernels(q_len: int, kv_len: int, head_dim: int) -> int:
     """The Mosaic calls of one attention call's forward and backward as the TPU plan has them
     (torch_splash_jax.plan)."""
-    from torch_splash_jax.plan import BlockSizes, plan_blocks
+    from torch_splash_jax import BlockSizes
+    from torch_splash_jax.block_planning import plan_blocks
 
     return 1 + backward_kernels(dict(plan_blocks(q_len, kv_len, BlockSizes(), "tpu", head_dim)[2]))
 

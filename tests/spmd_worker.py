@@ -20,7 +20,7 @@ import torch_xla.runtime as xr  # noqa: E402
 
 import torch_splash  # noqa: E402
 import torch_splash_jax  # noqa: E402
-from torch_splash import _compat, _ops, api  # noqa: E402
+from torch_splash import _compat, _ops, _planning  # noqa: E402
 
 CASES = {
     # name: (partition_spec, Hq, Hkv, mask, segment ids, sinks)
@@ -154,7 +154,7 @@ def mosaic_calls_on_tpu(xla_in, mask, ids, sinks, spec, mesh, layout, ring=False
     )
     sharding = _sharding.check(spec, mesh, call, None, layout, "ring" if ring else None)
     call = sharding.spread_single_kv_head(call)
-    plan = api._plan(call, blocks, "tpu", sharding)
+    plan = _planning.splash_plan(call, blocks, "tpu", sharding)
     program = torch_splash_jax.program(plan)
     shapes = [
         (plan.batch, h, length, d)

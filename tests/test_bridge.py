@@ -75,13 +75,13 @@ def test_non_contiguous_inputs_like_hf_transposed_views():
 def test_second_call_traces_nothing():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 64, 64, torch.float32, seed=3)
     torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    before = dict(torch_splash_jax.kernels.TRACES)
+    before = dict(torch_splash_jax.splash_program.TRACES)
     for _ in range(2):
         torch_splash.attention(q, k, v, "causal", scale=0.123).sum().backward()
-    assert dict(torch_splash_jax.kernels.TRACES) == before
+    assert dict(torch_splash_jax.splash_program.TRACES) == before
     torch_splash.attention(q, k, v, "causal", scale=0.5).sum().backward()  # a new option is a new program
-    assert torch_splash_jax.kernels.TRACES["forward"] == before["forward"] + 1
-    assert torch_splash_jax.kernels.TRACES["backward"] == before["backward"] + 1
+    assert torch_splash_jax.splash_program.TRACES["forward"] == before["forward"] + 1
+    assert torch_splash_jax.splash_program.TRACES["backward"] == before["backward"] + 1
 
 
 def test_backward_runs_only_the_backward_kernels():
@@ -153,11 +153,10 @@ def test_torch_compile_runs_attention_eagerly_with_a_graph_break():
 
 def _forget_plans():
     """Every plan the memo of texts holds evicted, by writing as many others."""
-    from torch_splash_jax import policy
-    from torch_splash_jax import text as jax_text
+    from torch_splash_jax import policy, serialization
 
     for length in range(1, policy.PLAN_TEXTS + 1):
-        jax_text.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
+        serialization.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
 
 
 def test_a_pending_backward_rebuilds_its_plan_from_the_text_and_mask_data_it_carries():
@@ -178,14 +177,14 @@ def test_a_pending_backward_rebuilds_its_plan_from_the_text_and_mask_data_it_car
 
 
 def test_a_plans_text_names_its_data_by_digest_and_refuses_other_data():
-    from torch_splash_jax import text as jax_text
+    from torch_splash_jax import serialization
 
     dense = torch_splash_jax.DenseMask(np.tril(np.ones((40, 40), bool)))
     plan = torch_splash_jax.plan(q_len=40, head_dim=32, mask=torch_splash_jax.CausalMask(0) & dense)
-    text, arrays = jax_text.plan_text(plan)
+    text, arrays = serialization.plan_text(plan)
     assert dense.digest in text and len(arrays) == 1
     _forget_plans()
-    assert jax_text.plan_from_text(text, arrays) == plan
+    assert serialization.plan_from_text(text, arrays) == plan
     _forget_plans()
     with pytest.raises(ValueError, match="not the ones its source was written from"):
-        jax_text.plan_from_text(text, [np.ones((40, 40), bool)])
+        serialization.plan_from_text(text, [np.ones((40, 40), bool)])

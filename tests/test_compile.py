@@ -10,8 +10,7 @@ import torch_splash
 import torch_splash_jax
 from torch_splash import masks
 from torch_splash.masks import CausalMask, ChunkedCausalMask, LocalMask, MultiHeadMask
-from torch_splash_jax import policy
-from torch_splash_jax import text as jax_text
+from torch_splash_jax import policy, serialization
 
 OPS = [
     torch.ops.torch_splash.forward.default,
@@ -171,7 +170,7 @@ BUILT_INSIDE = [
 def test_a_structured_mask_built_inside_the_compiled_function(make):
     """Dynamo only passes mask objects built outside the compiled region into the nonstrict_trace
     body; structured masks cross as their source text instead, so building one in forward works."""
-    assert jax_text.mask_from_source(jax_text.mask_source(make())) == make()
+    assert serialization.mask_from_source(serialization.mask_source(make())) == make()
     q, k, v = make_qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, make()), fullgraph=True)
@@ -245,5 +244,5 @@ def test_a_compiled_graph_outlives_any_number_of_other_configurations():
     fn = torch.compile(lambda q, k, v: torch_splash.attention(q, k, v, "causal"), fullgraph=True)
     first = fn(q, k, v)
     for length in range(1, policy.PLAN_TEXTS + 10):  # plans only: writing a plan's text builds no program
-        jax_text.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
+        serialization.plan_text(torch_splash_jax.plan(q_len=length, head_dim=8, mask=torch_splash_jax.CausalMask(0)))
     torch.testing.assert_close(fn(q, k, v), first, atol=0, rtol=0)

@@ -25,7 +25,7 @@ F32 = dict(atol=2e-5, rtol=1e-5)
 
 
 def _decode_traces() -> int:
-    return torch_splash_jax.kernels.TRACES["decode"]
+    return torch_splash_jax.splash_program.TRACES["decode"]
 
 
 def _inputs(batch, hq, hkv, q_len, kv_len, d=64, dtype=torch.float32, seed=0):

@@ -283,7 +283,7 @@ def test_unsupported_devices_are_a_splash_error_before_anything_else():
     with pytest.raises(SplashConstraintError, match=r"q is on meta"):
         torch_splash.attention(q, q, q, segment_ids=torch.zeros(1, 16, dtype=torch.int64, device="meta"))
     with pytest.raises(SplashConstraintError, match=r"q is on cuda"):
-        torch_splash._transport.platform_of(torch.device("cuda"))
+        torch_splash._platform.platform_of(torch.device("cuda"))
 
 
 def test_every_public_error_is_a_splash_error():

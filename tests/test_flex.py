@@ -368,9 +368,9 @@ def test_documents_packed_anew_run_the_program_already_compiled():
     traces = []
     for lengths in ([700, 1000, 348], [300, 1100, 648]):
         block_mask = create_block_mask(documents([lengths], length), 1, None, length, length, device="cpu")
-        before = sum(torch_splash_jax.kernels.TRACES.values())
+        before = sum(torch_splash_jax.splash_program.TRACES.values())
         got = _splash(q, k, v, block_mask, None, d_out)
-        traces.append(sum(torch_splash_jax.kernels.TRACES.values()) - before)
+        traces.append(sum(torch_splash_jax.splash_program.TRACES.values()) - before)
         _assert_close_to_exact(got, _reference(q, k, v, block_mask, None, d_out))
         (oa, orr) = TOL[torch.float32]["out"]
         torch.testing.assert_close(got[0], _torch_forward(q, k, v, block_mask, None)[0], atol=oa, rtol=orr)

@@ -209,9 +209,9 @@ def test_generation_compiles_once_per_128_cached_tokens():
     model = make_model("mistral").eval()
     ids, mask, _, _ = batch("left")
     model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # compile prefill and decode
-    before = sum(torch_splash_jax.kernels.TRACES.values())
+    before = sum(torch_splash_jax.splash_program.TRACES.values())
     model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)  # 12 + 30 tokens < 128
-    assert sum(torch_splash_jax.kernels.TRACES.values()) == before
+    assert sum(torch_splash_jax.splash_program.TRACES.values()) == before
 
 
 def _dense(splash_mask, q_len, kv_len):

@@ -14,7 +14,7 @@ from torch_splash.masks import (
     from_mask_mod,
     from_tensor,
 )
-from torch_splash_jax import text as jax_text
+from torch_splash_jax import serialization
 
 STRUCTURED = [
     ("local-left", LocalMask(40)),
@@ -171,7 +171,7 @@ def test_prefix_lm_stays_structured_and_skips_blocks():
     from torch_splash_jax import tables
 
     mask = CausalMask(0) | torch_splash.masks.PrefixMask(700)
-    assert jax_text.mask_source(mask) == "Or(CausalMask(0), PrefixMask(700))"  # crosses torch.compile
+    assert serialization.mask_source(mask) == "Or(CausalMask(0), PrefixMask(700))"  # crosses torch.compile
     table = tables.block_mask_table(mask, 2048, 2048, 2048, 512, 512)
     # 512-blocks: above the diagonal only block (0, 1) holds prefix keys (512..699); the other 5 are skipped
     assert table[0, 1] == 1 and (table == 0).sum() == 5
@@ -196,7 +196,7 @@ def test_floor_division_inside_the_kernel_equals_numpy_s_for_every_sign():
     import jax.numpy as jnp
     import numpy as np
 
-    from torch_splash_jax.masks import _floor_div
+    from torch_splash_jax.structured_masks import _floor_div
 
     x = np.arange(-600, 600, dtype=np.int32)
     for divisor in (1, 3, 7, 128, 4096):

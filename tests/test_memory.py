@@ -73,14 +73,14 @@ def test_memory_stops_growing_over_new_shapes_with_default_settings():
 def test_clearing_jax_s_caches_is_opt_in(monkeypatch):
     """jax.clear_caches() also clears the process's own JAX caches: the program cache calls it at a
     turnover only with TORCH_SPLASH_CLEAR_JAX_CACHES=1 (torch_splash_jax.policy)."""
-    from torch_splash_jax import CausalMask, plan, policy, programs
+    from torch_splash_jax import CausalMask, plan, policy, program_cache
 
     cleared = []
-    monkeypatch.setattr(programs, "release_jax_caches", lambda: cleared.append(1))
+    monkeypatch.setattr(program_cache, "release_jax_caches", lambda: cleared.append(1))
     plans = [plan(q_len=length, head_dim=8, mask=CausalMask(0)) for length in (8, 9, 10, 11)]
     for opt_in in (False, True):
         monkeypatch.setattr(policy, "CLEAR_JAX_CACHES", opt_in)
-        cache, cleared[:] = programs.ProgramCache(1), []
+        cache, cleared[:] = program_cache.ProgramCache(1), []
         for p in plans:  # each new plan evicts the last one: a turnover at each eviction (size 1)
             cache(p)
         assert len(cleared) == (3 if opt_in else 0), opt_in

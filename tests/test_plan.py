@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch_splash_jax
-from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES, LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET, plan_blocks
+from torch_splash_jax.block_planning import plan_blocks
+from torch_splash_jax.kernel_limits import FUSED_DQ_BUFFER_BYTES, LANES, SMEM_TABLE_ENTRIES, VMEM_BUDGET
 
 lengths = st.integers(1, 70_000)
 maybe_kv_block = st.none() | st.sampled_from([128, 256, 384, 512, 1024, 2048, 4096])
@@ -208,7 +209,7 @@ def test_stored_mask_tables_keep_to_the_smem_and_vmem_that_compiled():
     says to shard the query sequence); 4 sequence shards, or a mask the kernel evaluates, can. The
     dq and dkv kernels of a stored mask also keep to half the VMEM budget (1024 x 2048 overran it
     at 128K)."""
-    from torch_splash_jax.plan import SMEM_STORED_TABLE_ENTRIES
+    from torch_splash_jax.kernel_limits import SMEM_STORED_TABLE_ENTRIES
 
     per_head = torch_splash_jax.MultiHeadMask([torch_splash_jax.CausalMask(), torch_splash_jax.LocalMask(4095, 0)] * 8)
     common = dict(batch=1, num_q_heads=16, num_kv_heads=8, head_dim=128, head_dim_v=128, dtype="bfloat16")

@@ -68,7 +68,7 @@ def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
     """Whether a per-head mask allows any pair is decided from block bounds: evaluated densely,
     4 heads at 1M tokens would need 4 TB (it used to be, and was OOM-killed at 112K)."""
     import torch_splash_jax
-    from torch_splash_jax import kernels
+    from torch_splash_jax import kernel_tables
 
     def plan(*heads):
         return torch_splash_jax.plan(
@@ -89,8 +89,10 @@ def test_empty_mask_check_reads_per_head_structured_masks_by_blocks():
             has_sinks=False,
         )
 
-    assert kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.LocalMask(4096, 0)))
-    assert not kernels._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.CausalMask(offset=-(2**21))))
+    assert kernel_tables._has_allowed_pair(plan(masks.CausalMask(offset=-(2**21)), masks.LocalMask(4096, 0)))
+    assert not kernel_tables._has_allowed_pair(
+        plan(masks.CausalMask(offset=-(2**21)), masks.CausalMask(offset=-(2**21)))
+    )
 
 
 _RNG = np.random.default_rng(1)

@@ -212,7 +212,8 @@ def _expected_mosaic_calls(result, kind):
 def _step_mosaic_calls() -> int:
     """The training step's kernels (tpu_compile_worker._tiny_model_step: 2 layers, 512 tokens, head_dim 64)
     as the TPU plan has them: per layer the forward, then dkv and dq or the fused dkv."""
-    from torch_splash_jax.plan import BlockSizes, plan_blocks
+    from torch_splash_jax import BlockSizes
+    from torch_splash_jax.block_planning import plan_blocks
 
     fused = dict(plan_blocks(512, 512, BlockSizes(), "tpu", 64)[2])["use_fused_bwd_kernel"]
     return 2 * (2 if fused else 3)

@@ -17,7 +17,7 @@ import pytest
 import torch_splash_jax
 from torch_splash_jax import tpu_time
 from torch_splash_jax.errors import SplashConstraintError
-from torch_splash_jax.plan import FUSED_DQ_BUFFER_BYTES
+from torch_splash_jax.kernel_limits import FUSED_DQ_BUFFER_BYTES
 from torch_splash_jax.tpu_time import schedule
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -307,7 +307,7 @@ def test_xla_s_own_estimate_of_the_rest_and_a_kernel_s_outputs_are_read_from_the
 
 
 def test_the_tpu_plan_is_the_fastest_configuration_the_search_found():
-    """The TPU plan (torch_splash_jax.plan._TARGETS) was chosen from the search in
+    """The TPU plan (torch_splash_jax.block_planning._TARGETS) was chosen from the search in
     benchmarks/results/tpu_time.json (`./dev.sh bench-tpu-time --parts search`): each row's
     "planned" blocks are what the planner plans today, their estimated forward+backward is no
     slower than any candidate's, and their fused dq buffer keeps to the plan's bound (8 q's or

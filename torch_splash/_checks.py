@@ -10,7 +10,7 @@ import torch
 
 from torch_splash_jax import SplashConstraintError, SplashDtypeError
 
-from . import _transport
+from . import _platform
 from . import masks as _masks
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -57,7 +57,7 @@ def _check_tensors(q, k, v) -> tuple[bool, str]:
         raise SplashConstraintError(
             f"q, k, v are on devices {q.device}, {k.device}, {v.device}: move them to one device."
         )
-    platform = _transport.platform_of(q.device)  # a device the kernels cannot run on is refused here
+    platform = _platform.platform_of(q.device)  # a device the kernels cannot run on is refused here
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.dtype.is_floating_point:
             raise SplashDtypeError(f"{name} has dtype {t.dtype}: attention needs float32, bfloat16 or float16 inputs.")

@@ -14,7 +14,7 @@ import sys
 
 from torch_splash_jax import SplashConstraintError
 
-from . import _transport
+from . import _planning
 from ._fit_graph import Step, pending_step
 from ._fit_watch import building_one_step, watching_executions
 
@@ -72,7 +72,7 @@ def run_to_step(script: str, script_args: list[str], step: int = 1) -> tuple[Ste
         raise SplashConstraintError(f"step={step}: steps are counted from 1 (the first boundary).")
     sys.argv, taken = [script, *script_args], []
     with contextlib.ExitStack() as stack, watching_executions() as watch:
-        calls = stack.enter_context(_transport.recording_plans())
+        calls = stack.enter_context(_planning.recording_plans())
 
         def start_building(after_a_step: bool):
             if after_a_step:  # (never before the script starts: that would start torch_xla's runtime

@@ -12,7 +12,7 @@ import torch
 
 from torch_splash_jax import SplashConstraintError
 
-from ._transport import planned_for_tpu
+from ._platform import planned_for_tpu
 
 # The torch.Tensor methods that read a value back to the host
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__", "numpy")

@@ -1,5 +1,5 @@
 """Splash as torch.library custom ops with autograd: what `attention` runs once a call is checked
-and planned.
+and planned (`attend`).
 
 Three ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
 logsumexp residual), `infer` (output only, where no gradient is needed) and `backward` (dq, dk,
@@ -15,13 +15,12 @@ import warnings
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError, policy
-from torch_splash_jax import text as jax_text
+from torch_splash_jax import SplashConstraintError, policy, serialization
 
 from . import _ring, _sharding, _transport
 
 # Ops take tensors, ints and strings, not objects. A call's plan crosses as its text
-# (torch_splash_jax.text), any mask data it holds as CPU tensors beside it (`mask_data`: read only
+# (torch_splash_jax.serialization), any mask data it holds as CPU tensors beside it (`mask_data`: read only
 # when the text is not among the plans read last), its SPMD sharding as text ("" unsharded), and
 # `transport` is the caller's request ("" for automatic): each op decides it for the tensors it is
 # given (the backward's may be pending where the forward's were not).
@@ -31,7 +30,7 @@ def op_arguments(
     plan: torch_splash_jax.Plan, sharding: _sharding.Sharding | None
 ) -> tuple[list[torch.Tensor], str, str]:
     """What the ops take for a plan and sharding: the mask data, the plan's text, the sharding's."""
-    text, arrays = jax_text.plan_text(plan)
+    text, arrays = serialization.plan_text(plan)
     with warnings.catch_warnings():  # the arrays are read-only, and so are these tensors
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         data = [torch.from_numpy(a) for a in arrays]
@@ -40,7 +39,7 @@ def op_arguments(
 
 def _read(mask_data: list[torch.Tensor], plan: str, sharding: str):
     arrays = [t.numpy() for t in mask_data]
-    return jax_text.plan_from_text(plan, arrays), _sharding.from_text(sharding) if sharding else None
+    return serialization.plan_from_text(plan, arrays), _sharding.from_text(sharding) if sharding else None
 
 
 def _run(plan, sharding, kernel: str, named: dict, requested: str, out_roles: tuple) -> list[torch.Tensor]:
@@ -110,7 +109,7 @@ def forward(
 
 @forward.register_fake
 def _(q, k, v, q_ids, kv_ids, sinks, mask_data, plan, sharding, transport):
-    fields = jax_text.plan_fields(plan)  # shapes only: the mask's data is not read
+    fields = serialization.plan_fields(plan)  # shapes only: the mask's data is not read
     lse_len = fields["q_len_padded"] * fields["q_shards"]
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_len,), dtype=torch.float32)
 
@@ -181,7 +180,7 @@ def decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel (torch_splash_jax.decode): output and logsumexp (B, Hq, Lq) float32, -inf on
     rows that see no key. No gradient: calls that need one take the splash ops."""
-    program = torch_splash_jax.program(jax_text.plan_from_text(plan))
+    program = torch_splash_jax.program(serialization.plan_from_text(plan))
     named = _inputs(q, k, v, q_ids, kv_ids, sinks)
     tensors = program.arguments(**named)
     chosen = _transport.choose(tensors, transport or None)
@@ -192,6 +191,25 @@ def decode(
 @decode.register_fake
 def _(q, k, v, q_ids, kv_ids, sinks, plan, transport):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def attend(call, plan, sharding, transport: str | None, needs_grad: bool, return_lse: bool):
+    """A checked, planned call (`_checks.CheckedCall`, its `Plan` or `DecodePlan`) through its op:
+    (out, the logsumexp (B, Hq, Lq) with -inf on rows that see no key, or None without return_lse).
+    Without gradients the infer op runs: no autograd graph, no residuals."""
+    q_ids, kv_ids = call.segment_ids or (None, None)
+    tensors = (call.q, call.k, call.v, q_ids, kv_ids, call.sinks)
+    if isinstance(plan, torch_splash_jax.DecodePlan):
+        out, lse = decode(*tensors, serialization.plan_text(plan)[0], transport or "")
+        return out, lse if return_lse else None
+    called = (*op_arguments(plan, sharding), transport or "")
+    if not (needs_grad or return_lse):
+        return infer(*tensors, *called), None
+    out, lse = forward(*tensors, *called)
+    if not return_lse:
+        return out, None
+    lse = lse[..., : plan.q_len]
+    return out, torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
 
 
 def _save_residuals(ctx, inputs, output):

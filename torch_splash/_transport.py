@@ -23,14 +23,13 @@ import contextlib
 import functools
 import importlib.util
 import os
-import threading
 
 import torch
 
 from torch_splash_jax import SplashConstraintError, compat, mosaic, policy
 from torch_splash_jax.transport import from_capsule, hlo_module, numbered, numbered_program, program_number
 
-from . import _compat
+from . import _compat, _platform
 
 TRANSPORTS = ("dlpack", "graph", "torchtpu")
 # Where each transport's package comes from, for the refusal when it is missing.
@@ -71,7 +70,7 @@ def choose(tensors: list[torch.Tensor], requested: str | None) -> str:
             )
         return "dlpack"
     compat.check_torch_xla()
-    on_tpu = platform_of(device) == "tpu"
+    on_tpu = _platform.platform_of(device) == "tpu"
     if requested == "torchtpu":
         requested = None  # from $TORCH_SPLASH_TRANSPORT, which names TorchTPU's transport only for its tensors
     if requested == "dlpack" and on_tpu:
@@ -117,66 +116,6 @@ def _torchtpu_op():
     from torch.tpu import pallas
 
     return pallas.jax_op("torch_splash::tpu_program", numbered_program)
-
-
-_FOR_TPU = threading.local()
-
-
-@contextlib.contextmanager
-def planned_for_tpu():
-    """Within it, torch_xla CPU-device tensors get kernels planned and lowered for TPU, spliced
-    into torch_xla's lazy graph: the graph a TPU would run, built (and compiled for TPU by
-    torch_splash.fit) on a machine without one. Nothing that reads such a graph's values can run
-    here: the Mosaic kernels need a TPU."""
-    before = getattr(_FOR_TPU, "on", False)
-    _FOR_TPU.on = True
-    try:
-        yield
-    finally:
-        _FOR_TPU.on = before
-
-
-@contextlib.contextmanager
-def recording_plans():
-    """Within it, every attention call planned for TPU appends (plan, with a backward) to the list
-    it yields: what torch_splash.fit estimates the kernel time of."""
-    before = getattr(_FOR_TPU, "plans", None)
-    _FOR_TPU.plans = []
-    try:
-        yield _FOR_TPU.plans
-    finally:
-        _FOR_TPU.plans = before
-
-
-def record(plan, backward: bool) -> None:
-    plans = getattr(_FOR_TPU, "plans", None)
-    if plans is not None and plan.platform == "tpu":
-        plans.append((plan, backward))
-
-
-def platform_of(device: torch.device) -> str:
-    """The kernel platform for tensors on `device`: 'cpu' (interpret mode) or 'tpu'."""
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "tpu":  # TorchTPU
-        return "tpu"
-    if device.type == "meta" and getattr(_FOR_TPU, "on", False):  # shapes only: planned, never run
-        return "tpu"
-    if device.type == "xla":
-        import torch_xla.runtime as xr
-
-        kind = xr.device_type()
-        if kind == "CPU":
-            return "tpu" if getattr(_FOR_TPU, "on", False) else "cpu"
-        if kind == "TPU":
-            return "tpu"
-        raise SplashConstraintError(
-            f"q is on torch_xla's {kind} device: torch_splash runs on the CPU or a TPU. Use PJRT_DEVICE=CPU or TPU."
-        )
-    raise SplashConstraintError(
-        f"q is on {device}: torch_splash runs on CPU tensors, torch_xla tensors (CPU or TPU) and TorchTPU "
-        "tensors (device 'tpu'). Move the inputs to one of those."
-    )
 
 
 def to_jax(tensors: list[torch.Tensor]) -> list:

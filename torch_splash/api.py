@@ -1,8 +1,10 @@
 """`torch_splash.attention`: splash attention for torch tensors, with gradients.
 
-A call flows one way: check the arguments (`_checks`), decide the SPMD sharding (`_sharding`) and
-the transport (`_transport`), plan block sizes and padding (`torch_splash_jax.plan`), then run the custom
-ops (`_ops`), whose backward returns the gradients to torch.
+A call takes one route (docs/design.md, "Data flow"): check the arguments (`_checks`), the SPMD
+sharding (`_sharding`) and the transport request (`_transport.choose`); plan it
+(`_planning`: the decode kernel's plan or the splash kernels', from `torch_splash_jax`); run it
+through its custom op (`_ops.attend`), which reaches JAX through `_transport`, and whose backward
+returns the gradients to torch.
 """
 
 from __future__ import annotations
@@ -10,72 +12,11 @@ from __future__ import annotations
 import torch
 
 import torch_splash_jax
-from torch_splash_jax import SplashConstraintError, decode
-from torch_splash_jax import text as jax_text
+from torch_splash_jax import SplashConstraintError, serialization
 
-from . import _checks, _compat, _compile, _ops, _sharding, _transport  # noqa: F401 (_compile: registers the options)
+from . import _checks, _compat, _compile_constants, _ops, _planning, _sharding, _transport
 
-
-def _fields(call: _checks.CheckedCall) -> dict:
-    """What every plan of a checked call is made of: its sizes (ints: under torch.compile these are
-    fake tensors' sizes, specialised by `_checks.static_shape`), dtype, mask and options."""
-    batch, q_heads, q_len, head_dim = (int(n) for n in call.q.shape)
-    return dict(
-        batch=batch,
-        num_q_heads=q_heads,
-        num_kv_heads=int(call.k.shape[1]),
-        q_len=q_len,
-        kv_len=int(call.k.shape[2]),
-        head_dim=head_dim,
-        head_dim_v=int(call.v.shape[-1]),
-        dtype=_checks.dtype_name(call.q),
-        mask=call.mask,
-        scale=call.scale,
-        soft_cap=call.soft_cap,
-        has_segment_ids=call.segment_ids is not None,
-        has_sinks=call.sinks is not None,
-        platform=call.platform,
-    )
-
-
-def _plan(
-    call: _checks.CheckedCall, block_sizes, platform: str, sharding: _sharding.Sharding | None
-) -> torch_splash_jax.Plan:
-    """The plan of a checked call: at the shapes each device sees when sharded."""
-    fields = dict(_fields(call), platform=platform, block_sizes=block_sizes)
-    if sharding is not None:
-        local = sharding.local(fields["batch"], fields["num_q_heads"], fields["num_kv_heads"])
-        fields.update(zip(("batch", "num_q_heads", "num_kv_heads"), local))
-        fields.update(
-            q_shards=sharding.q_shards,
-            sequence_layout=sharding.layout,
-            head_shards=sharding.shards(sharding.heads),
-            context_parallel=sharding.context_parallel,
-        )
-    return torch_splash_jax.plan(**fields)
-
-
-def _decode_plan(call: _checks.CheckedCall, kernel, block_sizes, sharding, backward: bool):
-    """The decode kernel's plan when this call takes it (by `kernel`, or by default where
-    torch_splash_jax.decode's rule says so), else None."""
-    if kernel not in (None, "splash", "decode"):
-        raise SplashConstraintError(
-            f"kernel={kernel!r}: expected 'splash', 'decode' or None (chosen by the call's shape)."
-        )
-    if kernel == "splash":
-        return None
-    fields = _fields(call)
-    reason = decode.refusal(call.mask, sharded=sharding is not None, block_sizes=block_sizes, dtype=fields["dtype"])
-    if reason is None and backward:
-        reason = "it has no backward, and this call needs gradients (the splash kernels have one)"
-    if kernel == "decode":
-        if reason is not None:
-            raise decode.explicit_refusal(reason)
-    elif reason is not None or not decode.takes_by_default(
-        fields["num_q_heads"], fields["num_kv_heads"], fields["q_len"], fields["kv_len"]
-    ):
-        return None
-    return decode.decode_plan(**fields)
+_compile_constants.register_options()
 
 
 def attention(
@@ -155,14 +96,14 @@ def attention(
         Both are raised before any JAX work; both are ``torch_splash.SplashError``.
     """
     # Dynamo refuses None as an argument of a nonstrict_trace function: pass on only what is set.
-    # Under compile a structured mask crosses as its source text (see _compile).
+    # Under compile a structured mask crosses as its source text (see _compile_constants).
     source = None
     if torch.compiler.is_compiling():
         for t in (q, k, v):
             if isinstance(t, torch.Tensor):  # others are refused by name in the checks
                 _checks.static_shape(t)
         scale, soft_cap = _checks.static_float(scale), _checks.static_float(soft_cap)
-        source = jax_text.mask_source(mask)
+        source = serialization.mask_source(mask)
     options = dict(
         mask=mask if source is None else None,
         mask_source=source,
@@ -208,7 +149,7 @@ def _attention(
     """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
     scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
     if mask_source is not None:
-        mask = jax_text.mask_from_source(mask_source)
+        mask = serialization.mask_from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)
     sharding = _sharding.check(partition_spec, mesh, call, transport, sequence_layout, context_parallel)
     if return_lse and (sharding is not None or call.sinks is not None):
@@ -221,26 +162,10 @@ def _attention(
     tensors = (call.q, call.k, call.v, *(call.segment_ids or ()))
     _transport.choose(list(tensors), transport)  # validates `transport` before any JAX work; the ops choose again
     differentiable = [call.q, call.k, call.v] + ([] if call.sinks is None else [call.sinks])
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-    q_ids, kv_ids = call.segment_ids or (None, None)
-    plan = _decode_plan(call, kernel, block_sizes, sharding, backward)
-    if plan is not None:
-        _transport.record(plan, False)
-        out, lse = _ops.decode(
-            call.q, call.k, call.v, q_ids, kv_ids, call.sinks, jax_text.plan_text(plan)[0], transport or ""
-        )
-        return _returned(call, out, lse if return_lse else None)
-    plan = _plan(call, block_sizes, call.platform, sharding)
-    called = (*_ops.op_arguments(plan, sharding), transport or "")
-    _transport.record(plan, backward)  # torch_splash.fit's time estimate of a step
-    if backward or return_lse:
-        out, lse = _ops.forward(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
-    else:  # no autograd graph to build: the cheaper forward, and no residuals
-        out = _ops.infer(call.q, call.k, call.v, q_ids, kv_ids, call.sinks, *called)
-    if return_lse:
-        lse = lse[..., : plan.q_len]
-        lse = torch.where(lse > torch_splash_jax.EMPTY_ROW_LSE, lse, float("-inf"))
-    return _returned(call, out, lse if return_lse else None)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    plan = _planning.plan_call(call, kernel, block_sizes, sharding, needs_grad)
+    out, lse = _ops.attend(call, plan, sharding, transport, needs_grad, return_lse)
+    return _returned(call, out, lse)
 
 
 def _returned(call: _checks.CheckedCall, out, lse):
@@ -258,7 +183,7 @@ def attention_backward(q, k, v, out, lse, d_out, mask, *, scale=None, soft_cap=N
     what it returned (out, lse) and out's gradient d_out: its backward, the dq/dkv kernels alone, for a
     caller that holds those instead of an autograd graph (a custom op's own backward)."""
     call = _checks.check_call(q, k, v, mask, scale, None, soft_cap)
-    plan = _plan(call, None, call.platform, None)
+    plan = _planning.splash_plan(call, None, call.platform, None)
     # the kernels' rows past Lq, and rows that saw no key (-inf here), take +inf: p = 0 there
     lse = torch.where(torch.isneginf(lse), torch.inf, lse)
     lse = torch.nn.functional.pad(lse, (0, plan.q_len_padded - plan.q_len), value=torch.inf)

@@ -32,13 +32,13 @@ import sys
 
 from torch_splash_jax import SplashConstraintError
 
-from . import _transport
+from . import _planning
 from ._fit_compiler import compile_step, compile_step_hlo, libtpu_dir
 from ._fit_graph import pending_step
 from ._fit_report import Report, parse_topology
 from ._fit_script import run_to_step
 from ._fit_watch import EarlyExecution, building_one_step, watching_executions
-from ._transport import planned_for_tpu
+from ._platform import planned_for_tpu
 
 __all__ = [
     "EarlyExecution",
@@ -69,7 +69,7 @@ def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool = True, *
     """
     from torch_splash_jax import tpu_time
 
-    from . import _checks, api
+    from . import _checks
 
     tpu_time.chip(generation)
     unknown = set(options) - {"scale", "segment_ids", "soft_cap", "sinks", "block_sizes"}
@@ -81,7 +81,7 @@ def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool = True, *
     get = options.get
     with planned_for_tpu():  # meta tensors too: planned for TPU, never run
         call = _checks.check_call(q, k, v, mask, get("scale"), get("segment_ids"), get("soft_cap"), get("sinks"))
-    plan = api._plan(call, get("block_sizes"), "tpu", None)
+    plan = _planning.splash_plan(call, get("block_sizes"), "tpu", None)
     folder = libtpu_dir(tpu_time.ESTIMATOR_LIBTPU, "TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR")
     return tpu_time.estimate_in_subprocess(plan, generation, backward, libtpu_dir=str(folder))
 
@@ -102,7 +102,7 @@ def check(step_fn, *args, topology: str = "v5e", estimate_time: bool = False, **
     import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
 
     parse_topology(topology)
-    with watching_executions(settle=True) as watch, building_one_step(watch), _transport.recording_plans() as calls:
+    with watching_executions(settle=True) as watch, building_one_step(watch), _planning.recording_plans() as calls:
         step_fn(*args, **kwargs)
         step = pending_step()
     report = compile_step(step, topology, _partitions())

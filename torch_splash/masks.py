@@ -26,6 +26,7 @@ import functools
 import torch
 
 from torch_splash_jax import SplashConstraintError, SplashDtypeError, policy
+from torch_splash_jax.immutable import Immutable
 from torch_splash_jax.masks import (
     STRUCTURED,
     BlockSparseMask,
@@ -39,7 +40,6 @@ from torch_splash_jax.masks import (
     PrefixMask,
     not_a_mask,
 )
-from torch_splash_jax.options import Immutable
 
 __all__ = [
     "CausalMask",
@@ -224,5 +224,5 @@ def normalize(mask, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
     )
 
 
-# Every mask type a caller can pass (torch.compile treats them as constants; see _compile.py).
+# Every mask type a caller can pass (torch.compile treats them as constants; see _compile_constants.py).
 TYPES = (*STRUCTURED, DenseMask, BlockSparseMask, MaskMod, Composed)

@@ -11,9 +11,9 @@ from .errors import SplashConstraintError, SplashDtypeError, SplashError, Splash
 compat.check_versions()
 
 from . import decode
+from .block_sizes import BlockSizes
 from .decode import DecodePlan
-from .kernels import EMPTY_ROW_LSE as EMPTY_ROW_LSE  # for torch_splash
-from .kernels import Program
+from .kernel_limits import lane_padded as lane_padded  # for torch_splash
 from .masks import (
     BlockSparseMask,
     CausalMask,
@@ -25,11 +25,13 @@ from .masks import (
     MultiHeadMask,
     PrefixMask,
 )
-from .plan import BlockSizes, Plan, balanced_chunk_order, plan
-from .plan import check_context_parallel as check_context_parallel  # for torch_splash
-from .plan import check_sequence_layout as check_sequence_layout  # for torch_splash
-from .plan import lane_padded as lane_padded  # for torch_splash
-from .programs import program
+from .plan import Plan, plan
+from .program_cache import program
+from .sequence_layout import balanced_chunk_order
+from .sequence_layout import check_context_parallel as check_context_parallel  # for torch_splash
+from .sequence_layout import check_sequence_layout as check_sequence_layout  # for torch_splash
+from .splash_program import EMPTY_ROW_LSE as EMPTY_ROW_LSE  # for torch_splash
+from .splash_program import Program
 
 __all__ = [
     "BlockSizes",

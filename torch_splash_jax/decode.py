@@ -109,7 +109,7 @@ def refusal(mask, *, sharded: bool, block_sizes, dtype: str) -> str | None:
             f"its mask is {type(mask).__name__}: it serves masks every query head shares, evaluated from positions "
             "(full, causal, local, chunked, prefix and their & and |), with segment ids for data"
         )
-    if any(isinstance(leaf, _masks.MultiHeadMask) for leaf in _masks._leaves(mask)):
+    if any(isinstance(leaf, _masks.MultiHeadMask) for leaf in _masks.leaves(mask)):
         return "its mask holds a per-head mask"
     if dtype not in ("float32", "bfloat16"):
         return f"dtype {dtype}"
@@ -267,7 +267,7 @@ class DecodeProgram:
         return jnp.stack([first, end], axis=1).reshape(-1).astype(jnp.int32)
 
     def _run(self, *arrays):
-        from .kernels import TRACES
+        from .splash_program import TRACES
 
         TRACES["decode"] += 1
         p = self.plan

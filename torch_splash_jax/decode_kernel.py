@@ -41,7 +41,8 @@ def block_range(row_ranges, batch_ranges, b, rb, s, splits: int):
     first = jnp.maximum(row_ranges[2 * rb], batch_ranges[2 * b])
     end = jnp.minimum(row_ranges[2 * rb + 1], batch_ranges[2 * b + 1])
     count = jnp.maximum(end - first, 0)
-    share = lax.div(count + (splits - 1), np.int32(splits))  # not `//`: see masks._floor_div (counts are >= 0)
+    # not `//`: see structured_masks._floor_div (counts are >= 0)
+    share = lax.div(count + (splits - 1), np.int32(splits))
     start = first + s * share
     return start, jnp.minimum(start + share, end)
 

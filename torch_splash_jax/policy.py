@@ -20,21 +20,21 @@ import collections
 import os
 import threading
 
-# torch_splash_jax.programs.program: a plan's jitted forward, infer and backward with their block tables.
+# torch_splash_jax.program_cache.program: a plan's jitted forward, infer and backward with their block tables.
 # Compiled executables are the costly entries (MBs each at long L); $TORCH_SPLASH_PROGRAM_CACHE_SIZE.
 PROGRAMS = int(os.environ.get("TORCH_SPLASH_PROGRAM_CACHE_SIZE", "128"))
-# torch_splash_jax.kernels: the first program of each shape of stored-block tables, whose jitted
+# torch_splash_jax.splash_program: the first program of each shape of stored-block tables, whose jitted
 # functions the programs of masks with other contents in those shapes run. Each holds its compiled
 # executables and its own mask's tables.
 STORED_SHAPES = 32
 # See the module docstring.
 CLEAR_JAX_CACHES = os.environ.get("TORCH_SPLASH_CLEAR_JAX_CACHES", "0") == "1"
-# torch_splash_jax.plan.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
+# torch_splash_jax.block_planning.plan_blocks: block sizes per (lengths, dims, mask kind); small tuples.
 PLANS = 1024
 # torch_splash_jax.tables.mask_info: NumPy block tables of one structured mask, O(blocks) each, rebuilt in
 # milliseconds.
 MASK_TABLES = 64
-# torch_splash_jax.text: the plans of the texts the custom ops took last. Plans can hold dense masks;
+# torch_splash_jax.serialization: the plans of the texts the custom ops took last. Plans can hold dense masks;
 # a text read after its plan was evicted is rebuilt from the text and the arrays beside it.
 PLAN_TEXTS = 256
 # torch_splash._sharding.from_text: SPMD shardings read back from the custom ops' text; tiny.
@@ -44,7 +44,7 @@ TABLE_TENSORS = 64
 # torch_splash._transport._in_graph: one torch_xla computation per program and shapes, so torch_xla
 # sees the same computation every step and compiles it once.
 IN_GRAPH = 512
-# torch_splash_jax.text.mask_from_source: structured masks rebuilt from their source text; tiny.
+# torch_splash_jax.serialization.mask_from_source: structured masks rebuilt from their source text; tiny.
 MASK_SOURCES = 256
 # torch_splash.flex: the masks of the BlockMasks converted last (a model's layers share one), each
 # holding the partial blocks its mask_mod evaluated: keep few.

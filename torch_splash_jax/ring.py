@@ -35,8 +35,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kernels import Program, row_has_keys, scaled
 from .plan import Plan, ring_steps
+from .splash_program import Program, row_has_keys, scaled
 
 
 def _accumulator_dtype(name: str, dtype):

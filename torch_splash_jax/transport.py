@@ -4,7 +4,7 @@ program lowered to an HLO module for torch_xla's lazy graph, or a program number
 
 DLPack has a per-call budget: `jax.dlpack.from_dlpack` spends about 130 us per array on a 2-core
 CPU (mostly generic dtype and placement work around one C++ call); the C++ call alone takes about
-15 us. A call through the bridge moves 5 to 9 arrays, so the public path alone would cost about
+15 us. An attention call moves 5 to 9 arrays, so the public path alone would cost about
 1 ms per attention call at small sizes. We call the C++ import directly and fall back to the
 public API if it moves.
 """

@@ -187,10 +187,11 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m torch_splash_jax.aot STEP.pb --topology v5e:2x2 [--partitions N] [--donate 0,3]`, in a process
-    with `environment(...)`: prints `report(...)` as one JSON line (torch_splash.fit runs it)."""
+    """`python -m torch_splash_jax.tpu_time.aot STEP.pb --topology v5e:2x2 [--partitions N] [--donate 0,3]`, in
+    a process with `environment(...)`: prints `report(...)` as one JSON line (torch_splash.fit runs it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_splash_jax.aot", description="Compile an HLO module for TPU without one; report its HBM."
+        prog="python -m torch_splash_jax.tpu_time.aot",
+        description="Compile an HLO module for TPU without one; report its HBM.",
     )
     parser.add_argument("hlo", help="a serialized HLO module, or HLO text in a file named *.hlo")
     parser.add_argument("--topology", required=True, help="a topology name, e.g. v5e:2x2")

@@ -368,7 +368,7 @@ def result_json(result: Calibrated) -> dict:
 
 
 def calibrate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The calibrate command's options (torch_splash_jax.calibration runs it)."""
+    """The calibrate command's options (`python -m torch_splash_jax.tpu_time calibrate`)."""
     parser.add_argument("--generation", required=True, help="v5p, v6e or v7x (tokamax measured these)")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
     parser.add_argument("--limit", type=int, default=None, help="at most N entries, spread over the cache")

@@ -299,9 +299,9 @@ def splash_estimate(plan, generation: str, backward: bool = True) -> Estimate:
     import jax
     import jax.numpy as jnp
 
-    from .. import compat, kernels, mosaic
+    from .. import compat, mosaic, splash_program
 
-    program = kernels.Program(plan)
+    program = splash_program.Program(plan)
     dtype = jnp.dtype(plan.dtype)
     b, hq, hkv = plan.batch, plan.num_q_heads, plan.num_kv_heads
     args = [

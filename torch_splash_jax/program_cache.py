@@ -1,4 +1,4 @@
-"""The compiled programs of the most recently used plans: a `kernels.Program`, a `ring.RingProgram`
+"""The compiled programs of the most recently used plans: a `splash_program.Program`, a `ring.RingProgram`
 for a plan whose kv sequence travels a ring, or a `decode.DecodeProgram` (torch_splash_jax.policy
 sizes the cache)."""
 
@@ -13,9 +13,9 @@ import jax
 
 from . import policy
 from .decode import DecodePlan, DecodeProgram
-from .kernels import Program, forget_shared_programs
 from .plan import Plan
 from .ring import RingProgram
+from .splash_program import Program, forget_shared_programs
 
 
 class ProgramCache:
