@@ -225,6 +225,30 @@ def test_one_in_place_op_and_a_scalar_compile_and_are_donated():
     assert report.total - report.temporaries < w.numel() * 4 + 4096, report  # the tuple of outputs beside
 
 
+def test_state_over_half_a_chip_fits_only_because_it_is_donated(monkeypatch):
+    """9 GiB of bf16 state updated in place, on a v5e chip of 15.75 GiB. Donated (torch_xla's
+    default) the new state lives in the old buffer and the step fits; undonated
+    (XLA_ENABLE_PARAM_ALIASING=0) its arguments and outputs take 18 GiB, which the compiler still
+    compiles (it refuses only temporaries that do not fit) and fit must call over the chip. The
+    state is a torch_xla placeholder, a device tensor without a buffer: the host never holds it."""
+    import torch_xla.core.xla_builder as xb
+
+    state = 9 << 30
+
+    def checked():
+        w = xb.create_placeholder_tensor((state // 2 // 4096, 4096), torch.bfloat16)
+        return fit.check(lambda: w.add_(1.0), topology="v5e")
+
+    donated = checked()
+    assert donated.fits and donated.donated == state and donated.total < donated.capacity, donated
+    monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", "0")
+    undonated = checked()
+    assert not undonated.fits and undonated.error is None and undonated.donated == 0, undonated
+    assert undonated.needed == undonated.total >= 2 * state > undonated.capacity, undonated
+    expected = "does NOT fit: needs 18.00 GiB of 15.75 GiB HBM per chip (arguments 9.00, outputs 9.00, of which 0.00"
+    assert expected in str(undonated), undonated
+
+
 AGREEMENT_SCRIPT = """
 import json, sys
 import torch, torch_xla
