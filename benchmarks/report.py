@@ -173,11 +173,13 @@ def _tpu_memory(r: dict) -> str:
     lines = [
         f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
         f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}; libtpu {r['libtpu']}, Mosaic IR "
-        f"{r['mosaic_ir_version']}; arguments + outputs minus donated + temporaries per chip"
+        f"{r['mosaic_ir_version']}; "
         + (
-            " (the weights updated in place donated, as torch_xla and torch_splash.fit compile the step)."
+            "arguments + outputs minus donated + temporaries per chip (the weights updated in place "
+            "donated, as torch_xla and torch_splash.fit compile the step)."
             if r.get("donated")
-            else "."
+            else "arguments + outputs + temporaries per chip (compiled without buffer donors: the weights "
+            "updated in place counted twice)."
         ),
         "",
         "| chip | L | torch_splash | torch SDPA on torch_xla | SDPA / splash |",
@@ -675,9 +677,8 @@ SECTIONS = {
     "tpu_memory": (
         "HBM per training step, from the TPU compiler (libtpu, deviceless)",
         "One training step of an attention block built in torch_xla's lazy graph with torch_splash and with "
-        "torch's SDPA, taken and compiled for one chip as torch_splash.fit does (with torch_xla's buffer donors); "
-        "where the compiler refuses a step, the figure is the one it reported, and a step it compiles over the "
-        "chip's HBM does not fit either. The largest L is searched in multiples of 1024.",
+        "torch's SDPA, compiled for one chip; where the compiler refuses a step, the figure is the one it "
+        "reported. The largest L is searched in multiples of 1024.",
         _tpu_memory,
     ),
     "sequence": (
