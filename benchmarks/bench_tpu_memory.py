@@ -3,10 +3,13 @@
 One training step of an attention block (x -> q, k, v projections -> causal attention -> output
 projection -> loss -> backward -> SGD update; B=1, 16 query heads, 8 kv heads, head_dim 128,
 bf16) is built in torch_xla's lazy graph on its CPU device, with torch_splash (kernels planned
-and lowered for TPU) and with torch's SDPA as torch_xla runs it without torch_splash. The graph's
-HLO is compiled for one chip of each generation; the compiler's memory analysis gives arguments
-+ outputs + temporaries per chip, and a step that does not fit is refused by the compiler with
-the HBM it would need. Then the largest L (a multiple of 1024) each fits in one chip.
+and lowered for TPU) and with torch's SDPA as torch_xla runs it without torch_splash. The step is
+taken as torch_splash.fit takes it (its serialized module, with the buffer donors torch_xla
+declares at a step boundary: the weights updated in place) and compiled for one chip of each
+generation; the compiler's memory analysis gives arguments + outputs - donated + temporaries per
+chip. A step over the chip's HBM does not fit: refused by the compiler with the HBM it would
+need, or compiled with a total over the chip (fit's verdict). Then the largest L (a multiple of
+1024) each fits in one chip.
 
     ./dev.sh bench-tpu-memory            # L = 2K, 8K, 32K, 128K on v5e and v6e, and the largest L
     ./dev.sh bench-tpu-memory --quick    # L = 2K on v5e only (the test suite runs this)
@@ -53,7 +56,7 @@ def per_head_mask():
     return [torch_splash.masks.CausalMask() if h % 2 == 0 else window for h in range(HEADS)]
 
 
-def step_hlo(
+def step(
     length: int,
     use_splash: bool,
     shards: int = 1,
@@ -61,8 +64,10 @@ def step_hlo(
     mask: str = "causal",
     context_parallel: str | None = None,
     generated_input: bool = False,
-) -> str:
-    """The HLO of one training step at sequence length `length`, left unexecuted in torch_xla's graph.
+):
+    """One training step at sequence length `length`, left unexecuted in torch_xla's graph, as
+    torch_splash.fit takes it at the step's boundary (a `torch_splash._fit_graph.Step`: the module
+    and the parameters torch_xla donates, here the two weights updated in place).
     shards > 1: the sequence split over that many devices (torch_xla SPMD, which the process must
     have enabled with as many devices): activations along the sequence, attention with the query
     sequence sharded in `layout`, by `context_parallel` ("all_gather" or "ring"). mask: "causal",
@@ -75,7 +80,7 @@ def step_hlo(
     import torch_xla
 
     import torch_splash
-    from torch_splash import _compat
+    from torch_splash._fit_graph import pending_step
 
     device = torch_xla.device()
     dim = HEADS * HEAD_DIM
@@ -111,7 +116,8 @@ def step_hlo(
     with torch.no_grad():
         for w in (w_qkv, w_out):
             w -= 0.1 * w.grad
-    return _compat.pending_hlo_text([w_qkv, w_out, loss])
+            w.grad = None  # as optimizer.zero_grad() leaves it: the gradients are the step's temporaries
+    return pending_step([w_qkv, w_out, loss])
 
 
 def measure(
@@ -131,20 +137,30 @@ def measure(
     from torch_splash_jax import SplashConstraintError
 
     try:
-        text = step_hlo(length, use_splash, shards, layout, mask, context_parallel, generated_input)
+        taken = step(length, use_splash, shards, layout, mask, context_parallel, generated_input)
     except SplashConstraintError as refused:  # torch_splash's own refusal, before any JAX work
         return dict(fits=False, refused=str(refused))
-    return compiled(text, generation, shards, schedule)
+    return compiled(taken, generation, shards, schedule)
 
 
-def compiled(text: str, generation: str, shards: int = 1, schedule=None) -> dict:
-    """The compiler's HBM figure for a step's HLO text (per device), or why it does not fit."""
+def compiled(taken, generation: str, shards: int = 1, schedule=None) -> dict:
+    """The compiler's HBM figure (per device) for a step: a `Step` (`step`), compiled with its
+    buffer donors as torch_splash.fit compiles it, or HLO text, donating nothing; or why it does
+    not fit. A total over the chip's HBM does not fit, as fit says, though the compiler compiled it."""
+    from torch_splash._fit_report import CAPACITY_GIB, over_capacity, parse_topology
     from torch_splash_jax.tpu_time import aot
 
-    proto = aot.hlo_text_to_proto(text)
+    if isinstance(taken, str):
+        proto, donors = aot.hlo_text_to_proto(taken), ()
+    else:
+        proto, donors = taken.proto, taken.donors
     try:
-        memory = aot.compile_hlo(proto, generation, partitions=shards)
-        row = dict(fits=True, bytes=memory.total, temp=memory.temp)
+        memory = aot.compile_hlo(proto, generation, partitions=shards, donors=donors)
+        capacity = int(CAPACITY_GIB[parse_topology(generation)[0]] * GiB)
+        verdict = over_capacity(dict(fits=True, total=memory.total, capacity=capacity))
+        row = dict(fits=verdict["fits"], bytes=memory.total, temp=memory.temp, donated=memory.aliased)
+        if not verdict["fits"]:
+            row["capacity"] = capacity
         return row | (schedule(memory.schedule()) if schedule else {})
     except aot.OutOfMemory as oom:
         return dict(fits=False, bytes=oom.used, capacity=oom.capacity, lower_bound=oom.lower_bound)
@@ -206,6 +222,7 @@ def run(quick: bool) -> dict:
             libtpu=mosaic.PINNED_LIBTPU,
             mosaic_ir_version=mosaic.ir_version(),
             topologies=aot.TOPOLOGIES,
+            donated=True,  # the steps compiled with torch_xla's buffer donors (older results: without)
             rows=rows,
             largest=largest,
         )

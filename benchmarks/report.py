@@ -173,7 +173,14 @@ def _tpu_memory(r: dict) -> str:
     lines = [
         f"Attention-block training step, B={shape['batch']}, {shape['heads']}/{shape['kv_heads']} heads, "
         f"D={shape['head_dim']}, {shape['dtype']}, {shape['mask']}; libtpu {r['libtpu']}, Mosaic IR "
-        f"{r['mosaic_ir_version']}; arguments + outputs + temporaries per chip.",
+        f"{r['mosaic_ir_version']}; "
+        + (
+            "arguments + outputs minus donated + temporaries per chip (the weights updated in place "
+            "donated, as torch_xla and torch_splash.fit compile the step)."
+            if r.get("donated")
+            else "arguments + outputs + temporaries per chip (compiled without buffer donors: the weights "
+            "updated in place counted twice)."
+        ),
         "",
         "| chip | L | torch_splash | torch SDPA on torch_xla | SDPA / splash |",
         "|---|---|---|---|---|",

@@ -64,6 +64,19 @@ def test_flex_attention_s_step_needs_a_tenth_of_the_dense_bias_s_hbm():
     assert row["splash"]["fits"] and row["splash"]["bytes"] * 10 < row["dense"]["bytes"], row
 
 
+def test_tpu_memory_steps_are_compiled_with_their_weights_donated():
+    """From bench-tpu-memory --quick: each step is compiled as torch_splash.fit compiles it, with
+    torch_xla's buffer donors, so the two weights it updates in place (2048 x 4096 and 2048 x 2048,
+    bf16: 24 MiB) are donated and counted once, by torch_splash's step and by SDPA's."""
+    path = RESULTS / "tpu_memory_quick.json"
+    if not path.exists():
+        dev("bench-tpu-memory", "--quick")
+    r = json.loads(path.read_text())
+    weights = (2048 * 4096 + 2048 * 2048) * 2
+    assert r["donated"] and {row["impl"] for row in r["rows"]} == {"splash", "sdpa"}, r
+    assert all(row["fits"] and row["donated"] == weights for row in r["rows"]), r["rows"]
+
+
 def test_tpu_time_estimates_one_of_tokamax_s_measured_entries():
     """From bench-tpu-time --quick: the estimate of tokamax's kernel at one of its measured entries
     (v5p, 2K tokens) is within 25% of tokamax's measured time, with the estimator's fitted numbers;

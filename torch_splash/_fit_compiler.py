@@ -19,7 +19,7 @@ from torch_splash_jax import SplashConstraintError, compat
 from torch_splash_jax.tpu_time import aot
 
 from ._fit_graph import Step
-from ._fit_report import CAPACITY_GIB, Report, libtpu_release, parse_topology
+from ._fit_report import CAPACITY_GIB, Report, libtpu_release, over_capacity, parse_topology
 
 INSTALL_VARIABLE = "TORCH_SPLASH_INSTALL_LIBTPU"
 
@@ -113,4 +113,4 @@ def _compile_file(data: bytes, suffix: str, topology: str, partitions: int, dono
         raise RuntimeError(f"torch_splash.fit: the TPU compiler's process failed:\n{done.stderr[-3000:]}")
     fields = json.loads(lines[-1])
     fields.setdefault("capacity", int(CAPACITY_GIB[generation] * (1 << 30)))  # the compiler's own when it refused
-    return Report(topology=topology, **fields)
+    return Report(topology=topology, **over_capacity(fields))
