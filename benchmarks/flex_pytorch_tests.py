@@ -162,8 +162,9 @@ def _run_one(case: unittest.TestCase, dispatch: _Dispatch) -> tuple[str, str]:
 
 
 def _splash_reason_from_trace(trace: str) -> str | None:
-    match = re.search(r"(Splash\w*Error): (.*)", trace)
-    return f"{match.group(1)}: {match.group(2)}" if match else None
+    # the exception's own line (a docstring quoted in the trace may name an error too)
+    found = re.findall(r"^(?:[\w.]+\.)?(Splash\w*Error): (.*)$", trace, flags=re.M)
+    return f"{found[-1][0]}: {found[-1][1]}" if found else None
 
 
 def main(argv=None) -> int:

@@ -282,6 +282,31 @@ def test_under_fullgraph_a_captured_tensor_factor_is_refused_saying_why():
         _compiled()(q, k, v, score_mod=_captured_tensor)
 
 
+def test_under_fullgraph_a_refusal_is_dynamo_s_error_saying_why_first():
+    """A score_mod splash has no kernel for: under fullgraph, Dynamo's Unsupported error explains
+    with splash's refusal (not "Observed exception"); without fullgraph, the SplashError itself."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32))
+    with pytest.raises(Exception, match="cannot serve this call: score_mod '_bias'.*aten.add") as raised:
+        _compiled()(q, k, v, score_mod=_bias)
+    assert "Observed exception" not in str(raised.value)
+    torch._dynamo.reset()
+    with pytest.raises(SplashConstraintError, match="_bias.*aten.add"):
+        torch.compile(torch_splash.flex_attention, backend="aot_eager")(q, k, v, score_mod=_bias)
+
+
+def test_without_fullgraph_a_captured_tensor_factor_is_served_eagerly():
+    """As torch's eager flex_attention (f32), at the tensor's value of each call."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32))
+    torch._dynamo.reset()
+    compiled = torch.compile(torch_splash.flex_attention, backend="aot_eager")
+    (oa, orr) = TOL[torch.float32]["out"]
+    for factor in (0.75, 2.0):
+        FACTOR.fill_(factor)
+        want = torch_flex(q, k, v, score_mod=_captured_tensor)
+        torch.testing.assert_close(compiled(q, k, v, score_mod=_captured_tensor), want, atol=oa, rtol=orr)
+    FACTOR.fill_(0.75)
+
+
 class _ScaledByBuffer(torch.nn.Module):
     """A layer whose score_mod is a closure over its buffer, made in forward: inside the compiled
     code, where Dynamo holds it as a value of the trace, not as a function splash can read."""

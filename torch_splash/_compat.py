@@ -142,6 +142,19 @@ def break_unless_constant(value, why: str) -> None:
     comptime(_break_unless_constant)
 
 
+def break_graph(why: str) -> None:
+    """While Dynamo traces: a graph break, so that the call runs eagerly (where a refusal raises
+    the SplashError itself); under fullgraph, Dynamo's Unsupported error says `why` first, rather
+    than "Observed exception" around a raise in the traced code."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_break_graph)
+
+
+def _break_graph(ctx) -> None:
+    ctx.graph_break(ctx.get_local("why").as_python_constant())
+
+
 def _break_unless_constant(ctx) -> None:
     # Runs at trace time on break_unless_constant's frame: its locals are Dynamo's variables.
     if not ctx.get_local("value").is_python_constant():

@@ -209,8 +209,14 @@ def _compiled(query, key, value, score_mod, block_mask, scale):
     """(out, lse) while Dynamo traces: the score_mod's form decided as a constant of the graph."""
     if score_mod is not None and not isinstance(score_mod, SoftCap):
         _compat.break_unless_constant(score_mod, _MADE_WHILE_TRACING)
-        refusal, *form = _form_while_tracing(score_mod, _SCORE_MOD_DEVICE)
+        refusal, eager_serves, *form = _form_while_tracing(score_mod, _SCORE_MOD_DEVICE)
+        if refusal and not eager_serves:
+            # under fullgraph the break is the error, saying why first; without, the call goes on
+            # past the break and raises the SplashError itself
+            _compat.break_graph(f"torch_splash.flex_attention cannot serve this call: {refusal}")
         if refusal:
+            # a raise in the traced code: without fullgraph Dynamo runs the whole call eagerly,
+            # which serves a captured tensor's factor at its value of the moment
             raise SplashConstraintError(refusal)
     else:
         form = _form(score_mod, _SCORE_MOD_DEVICE)
@@ -286,21 +292,21 @@ def _form(score_mod, device) -> tuple:
 
 @_compat.constant_while_tracing
 def _form_while_tracing(score_mod, device) -> tuple:
-    """(why it is refused or "", then `_form`'s), decided while Dynamo traces, which raises the
-    refusal in the traced code. A factor read from a captured tensor would be a constant of the
-    graph, blind to the tensor's next value: refused there."""
+    """(why it is refused or "", whether an eager call serves it, then `_form`'s), decided while
+    Dynamo traces. A factor read from a captured tensor would be a constant of the graph, blind to
+    the tensor's next value: refused there, served eagerly."""
     try:
         form = _score_mod.analyse(score_mod, device)
     except SplashConstraintError as error:
-        return str(error), 1.0, None, False, (False, False)
+        return str(error), False, 1.0, None, False, (False, False)
     if form.captured:
         refusal = (
             f"score_mod {getattr(score_mod, '__name__', score_mod)!r} multiplies the score by a captured "
             "tensor: under torch.compile splash folds factors into the scale, a constant of the graph. "
             "Pass the factor as flex_attention's scale=, or as a Python number."
         )
-        return refusal, 1.0, None, False, (False, False)
-    return "", form.factor, form.cap, form.masks, form.reads[:2]
+        return refusal, True, 1.0, None, False, (False, False)
+    return "", True, form.factor, form.cap, form.masks, form.reads[:2]
 
 
 @contextlib.contextmanager
