@@ -334,7 +334,10 @@ def test_under_compile_a_score_mod_made_in_the_compiled_code_runs_eagerly():
     wanted = {}
     for factor in (0.75, 1.5):  # torch's answers first: its eager calls compile graphs of their own
         layer.factor.fill_(factor)
-        out, lse = torch_flex(q, k, v, score_mod=theirs, enable_gqa=True, return_lse=True)
+        try:
+            out, lse = torch_flex(q, k, v, score_mod=theirs, enable_gqa=True, return_lse=True)
+        except NotImplementedError as error:  # torch 2.15's flex_attention: no CPU backward
+            pytest.skip(f"torch's flex_attention cannot be the reference here: {error}")
         wanted[factor] = (out, lse, torch.autograd.grad(out.sum() + lse.sum(), (q, k, v)))
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager")
