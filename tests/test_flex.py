@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 import torch_splash
 from torch_splash import SplashConstraintError, SplashDtypeError
-from torch_splash.flex import block_mask_masks
+from torch_splash._flex_masks import block_mask_masks
 from torch_splash_jax import BlockSparseMask, MultiHeadMask
 from torch_splash_jax import tables as jax_tables
 
@@ -136,13 +136,13 @@ def test_outputs_logsumexp_and_gradients_match_torch_flex_attention(name, compil
 def test_the_graph_s_conversion_gives_the_masks_the_eager_one_gives(name):
     """The compiled path's conversion (tensors in the graph, masks where its op runs) and the eager
     one give equal masks, per batch element and head."""
-    from torch_splash import flex
+    from torch_splash import _flex_ops
 
     case = CASES[name]
     (hq, _), q_len, kv_len = case[3], case[4], case[5]
     block_mask = _block_mask(case)
-    table, where, blocks, assign, _ = flex.graph_tables(block_mask, 2, hq)
-    in_graph = flex.graph_masks(table, where, blocks, assign, (q_len, kv_len), tuple(block_mask.BLOCK_SIZE))
+    table, where, blocks, assign, _ = _flex_ops.graph_tables(block_mask, 2, hq)
+    in_graph = _flex_ops.graph_masks(table, where, blocks, assign, (q_len, kv_len), tuple(block_mask.BLOCK_SIZE))
     assert in_graph == block_mask_masks(block_mask, 2, hq, q_len, kv_len)
 
 
@@ -194,11 +194,11 @@ def test_under_torch_compile_the_layers_passing_one_block_mask_build_its_masks_o
     """Every layer passing one BlockMask, and the backward, gives the ops equal tensors: the masks
     are built once a step, and a new packing builds anew. Two layers' outputs and gradients against
     the float64 reference."""
-    from torch_splash import flex
+    from torch_splash import _flex_ops
 
-    built, build = [], flex._built_masks
-    monkeypatch.setattr(flex, "_built_masks", lambda *args: built.append(1) or build(*args))
-    monkeypatch.setattr(flex, "_GRAPH_MASKS", flex.policy.Recent(flex.policy.FLEX_MASKS))
+    built, build = [], _flex_ops._built_masks
+    monkeypatch.setattr(_flex_ops, "_built_masks", lambda *args: built.append(1) or build(*args))
+    monkeypatch.setattr(_flex_ops, "_GRAPH_MASKS", _flex_ops.policy.Recent(_flex_ops.policy.FLEX_MASKS))
 
     def two_layers(attend, q, k, v, block_mask):
         return attend(attend(q, k, v, block_mask=block_mask), k, v, block_mask=block_mask)
@@ -305,7 +305,7 @@ def test_layers_that_share_a_block_mask_convert_it_once_yet_see_every_change(mon
     """A model's layers pass one BlockMask: its masks are kept while its tables, the tensors its
     mask_mod reads and the numbers it captured are unchanged, and converted again after an in-place
     change, a new tensor or a new number."""
-    from torch_splash import flex
+    from torch_splash import _flex_masks
 
     doc, reach = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 60, 140]))[None], 1000
 
@@ -313,15 +313,15 @@ def test_layers_that_share_a_block_mask_convert_it_once_yet_see_every_change(mon
         return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx - kv_idx < reach)
 
     block_mask = create_block_mask(and_masks(causal, same_document), 1, None, 300, 300, device="cpu")
-    converted, convert = [], flex._convert
-    monkeypatch.setattr(flex, "_convert", lambda *args: converted.append(args) or convert(*args))
+    converted, convert = [], _flex_masks._convert
+    monkeypatch.setattr(_flex_masks, "_convert", lambda *args: converted.append(args) or convert(*args))
     first = block_mask_masks(block_mask, 1, 2, 300, 300)
     assert block_mask_masks(block_mask, 1, 2, 300, 300) is first and len(converted) == 1
     assert block_mask_masks(block_mask, 1, 4, 300, 300) is not first and len(converted) == 2  # another call shape
     doc[0, 150:] = 5  # in place: the documents now split at 150, not 160
     moved = block_mask_masks(block_mask, 1, 2, 300, 300)
     assert len(converted) == 3 and moved[0] != first[0]
-    flex._CONVERTED.clear()
+    _flex_masks._CONVERTED.clear()
     assert block_mask_masks(block_mask, 1, 2, 300, 300)[0] == moved[0]  # what a first conversion gives
     doc = torch.zeros_like(doc)  # the mask_mod now reads another tensor: one document
     one = block_mask_masks(block_mask, 1, 2, 300, 300)
@@ -659,13 +659,13 @@ def test_a_model_written_for_flex_attention_trains_under_torch_compile_fullgraph
 def test_opcheck_of_the_compiled_path_s_ops(op, monkeypatch):
     """torch.library.opcheck (schema, fake vs real, autograd registration) on the arguments the
     traced conversion gives them for a document mask."""
-    from torch_splash import flex
+    from torch_splash import _flex_ops
 
     q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 300, 300, 32, 32, torch.float32))
     block_mask = _block_mask(CASES["documents-per-batch"])
     given = []
-    monkeypatch.setattr(flex, "flex_forward", lambda *args: given.append(args))
-    flex._traced(q, k, v, block_mask, None, None)
+    monkeypatch.setattr(_flex_ops, "flex_forward", lambda *args: given.append(args))
+    _flex_ops.traced(q, k, v, block_mask, None, None)
     (args,) = given
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     if op == "partial_blocks":

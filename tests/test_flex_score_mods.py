@@ -282,6 +282,84 @@ def test_under_fullgraph_a_captured_tensor_factor_is_refused_saying_why():
         _compiled()(q, k, v, score_mod=_captured_tensor)
 
 
+def test_under_fullgraph_a_refusal_is_dynamo_s_error_saying_why_first():
+    """A score_mod splash has no kernel for: under fullgraph, Dynamo's Unsupported error explains
+    with splash's refusal (not "Observed exception"); without fullgraph, the SplashError itself."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32))
+    with pytest.raises(Exception, match="cannot serve this call: score_mod '_bias'.*aten.add") as raised:
+        _compiled()(q, k, v, score_mod=_bias)
+    assert "Observed exception" not in str(raised.value)
+    torch._dynamo.reset()
+    with pytest.raises(SplashConstraintError, match="_bias.*aten.add"):
+        torch.compile(torch_splash.flex_attention, backend="aot_eager")(q, k, v, score_mod=_bias)
+
+
+def test_without_fullgraph_a_captured_tensor_factor_is_served_eagerly():
+    """As torch's eager flex_attention (f32), at the tensor's value of each call."""
+    q, k, v = (t.detach() for t in make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32))
+    torch._dynamo.reset()
+    compiled = torch.compile(torch_splash.flex_attention, backend="aot_eager")
+    (oa, orr) = TOL[torch.float32]["out"]
+    for factor in (0.75, 2.0):
+        FACTOR.fill_(factor)
+        want = torch_flex(q, k, v, score_mod=_captured_tensor)
+        torch.testing.assert_close(compiled(q, k, v, score_mod=_captured_tensor), want, atol=oa, rtol=orr)
+    FACTOR.fill_(0.75)
+
+
+class _ScaledByBuffer(torch.nn.Module):
+    """A layer whose score_mod is a closure over its buffer, made in forward: inside the compiled
+    code, where Dynamo holds it as a value of the trace, not as a function splash can read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("factor", torch.tensor(0.75))
+
+    def forward(self, q, k, v):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(q_idx >= kv_idx, score * self.factor, -INF)
+
+        return torch_splash.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True, return_lse=True)
+
+
+def test_under_compile_a_score_mod_made_in_the_compiled_code_runs_eagerly():
+    """Without fullgraph the call runs eagerly (the closure exists there): output, logsumexp and
+    gradients as torch's eager flex_attention's (f32), the buffer's value read at each call."""
+    layer = _ScaledByBuffer()
+    q, k, v = _inputs()
+
+    def theirs(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score * layer.factor, -INF)
+
+    wanted = {}
+    for factor in (0.75, 1.5):  # torch's answers first: its eager calls compile graphs of their own
+        layer.factor.fill_(factor)
+        try:
+            out, lse = torch_flex(q, k, v, score_mod=theirs, enable_gqa=True, return_lse=True)
+        except NotImplementedError as error:  # torch 2.15's flex_attention: no CPU backward
+            pytest.skip(f"torch's flex_attention cannot be the reference here: {error}")
+        wanted[factor] = (out, lse, torch.autograd.grad(out.sum() + lse.sum(), (q, k, v)))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    (oa, orr), (ga, gr) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    for factor, (want_out, want_lse, want) in wanted.items():  # a new value of the buffer is seen
+        layer.factor.fill_(factor)
+        out, lse = compiled(q, k, v)
+        grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+        torch.testing.assert_close(out, want_out, atol=oa, rtol=orr)
+        torch.testing.assert_close(lse, want_lse, atol=oa, rtol=orr)
+        for mine, ref in zip(grads, want):
+            torch.testing.assert_close(mine, ref, atol=ga, rtol=gr)
+
+
+def test_under_fullgraph_a_score_mod_made_in_the_compiled_code_is_refused_saying_why():
+    q, k, v = (t.detach() for t in _inputs())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="score_mod made inside the compiled code") as raised:
+        torch.compile(_ScaledByBuffer(), fullgraph=True, backend="aot_eager")(q, k, v)
+    assert "define the score_mod outside the compiled code" in str(raised.value).lower()
+
+
 def test_the_logsumexp_s_gradient_on_torch_xla_s_graph_transport(xla_device, monkeypatch):
     """The kernels inside torch_xla's lazy graph: outputs and the gradients of a loss of the output
     and the logsumexp against the float64 reference."""

@@ -74,6 +74,9 @@ DEFAULT = [
     _case("softcap-sinks-gqa-bf16-1024", 8, 2, 1024, 1024, 128, "bfloat16", "CausalMask(0)", soft_cap=30.0, sinks=True),
     _case("length-1", 2, 2, 1, 1, 64, "float32", "FullMask()"),
     _case("head-dims-80-96", 4, 2, 512, 640, 80, "bfloat16", "CausalMask(128)", dv=96),
+    # flex_attention's gradient through the logsumexp runs the backward on value with one more
+    # column (_flex_ops.gradients): head_dim_v 129, off the 128-lane tiling
+    _case("flex-lse-grad-dv129", 8, 2, 1024, 1024, 128, "bfloat16", "documents", dv=129),
     _case("long-32k-causal", 2, 1, 32768, 32768, 128, "bfloat16", "CausalMask(0)"),
     # the longest causal sequence one chip takes (at 768K the forward's tables outgrow SMEM: refused)
     _case("long-640k-causal", 2, 1, 655360, 655360, 128, "bfloat16", "CausalMask(0)"),
@@ -150,6 +153,7 @@ ALSO_V6E = {
     "fused-d256-16k",
     "explicit-blocks-2048x1024",
     "head-dim-512-planned",
+    "flex-lse-grad-dv129",
 }
 DEFAULT = [dict(case, generations=GENERATIONS if case["name"] in ALSO_V6E else ["v5e"]) for case in DEFAULT]
 COMPILED = [(case, generation) for case in DEFAULT for generation in case["generations"]]

@@ -131,6 +131,36 @@ def constant_while_tracing(fn):
     return torch._dynamo.assume_constant_result(fn)
 
 
+def break_unless_constant(value, why: str) -> None:
+    """While Dynamo traces: a graph break unless Dynamo holds `value` as a constant, one that
+    `constant_while_tracing` functions may take (a function made inside the traced code, such as a
+    closure over a module's buffer, is not: its cells are values of the trace). Without fullgraph
+    the call then runs eagerly, where the function exists; under fullgraph Dynamo raises its
+    Unsupported error with `why` as the explanation. Outside a trace, nothing."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_break_unless_constant)
+
+
+def break_graph(why: str) -> None:
+    """While Dynamo traces: a graph break, so that the call runs eagerly (where a refusal raises
+    the SplashError itself); under fullgraph, Dynamo's Unsupported error says `why` first, rather
+    than "Observed exception" around a raise in the traced code."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(_break_graph)
+
+
+def _break_graph(ctx) -> None:
+    ctx.graph_break(ctx.get_local("why").as_python_constant())
+
+
+def _break_unless_constant(ctx) -> None:
+    # Runs at trace time on break_unless_constant's frame: its locals are Dynamo's variables.
+    if not ctx.get_local("value").is_python_constant():
+        ctx.graph_break(ctx.get_local("why").as_python_constant())
+
+
 def dynamic_size(minimum: int):
     """A size only the data decides, in a custom op's fake implementation (an unbacked SymInt of at
     least `minimum`). torch 2.15 allows one under Dynamo as it is; torch 2.9's public
