@@ -28,6 +28,9 @@ def test_demo():
     assert "OK: torch_splash trains the model like SDPA does." in dev("demo")
 
 
+# The quick runs that take minutes each on 2 cores (measured with --durations: 3 to 10 minutes
+# under load) are slow tests, with the assertions on their results: `./dev.sh test -m slow` runs
+# them, and a change to what they run is checked that way before it lands.
 @pytest.mark.parametrize(
     "command,result,key",
     [
@@ -37,11 +40,11 @@ def test_demo():
         ("bench-hf", "hf_quick.json", "rows"),
         ("bench-transports", "transports_quick.json", "graph"),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
-        ("bench-flex", "flex_quick.json", "rows"),
-        ("bench-sequence", "sequence_quick.json", "blocks"),
-        ("bench-context-parallel", "context_parallel_quick.json", "rows"),
-        ("fit-llama", "fit_quick.json", "rows"),
-        ("bench-tpu-time", "tpu_time_quick.json", "calibration"),
+        pytest.param("bench-flex", "flex_quick.json", "rows", marks=pytest.mark.slow),
+        pytest.param("bench-sequence", "sequence_quick.json", "blocks", marks=pytest.mark.slow),
+        pytest.param("bench-context-parallel", "context_parallel_quick.json", "rows", marks=pytest.mark.slow),
+        pytest.param("fit-llama", "fit_quick.json", "rows", marks=pytest.mark.slow),
+        pytest.param("bench-tpu-time", "tpu_time_quick.json", "calibration", marks=pytest.mark.slow),
         ("bench-decode", "decode_quick.json", "steps"),
         ("bench-hf-decode", "hf_decode_quick.json", "rows"),
     ],
@@ -53,6 +56,7 @@ def test_benchmark_quick_mode(command, result, key):
     assert json.loads((RESULTS / result).read_text())["machine"]
 
 
+@pytest.mark.slow
 def test_flex_attention_s_step_needs_a_tenth_of_the_dense_bias_s_hbm():
     """From bench-flex --quick: the TPU compiler's HBM for a document-masked training step at 8K
     tokens on one v5e chip, torch_splash.flex_attention against the dense -inf bias plus SDPA that
@@ -77,6 +81,7 @@ def test_tpu_memory_steps_are_compiled_with_their_weights_donated():
     assert all(row["fits"] and row["donated"] == weights for row in r["rows"]), r["rows"]
 
 
+@pytest.mark.slow
 def test_tpu_time_estimates_one_of_tokamax_s_measured_entries():
     """From bench-tpu-time --quick: the estimate of tokamax's kernel at one of its measured entries
     (v5p, 2K tokens) is within 25% of tokamax's measured time, with the estimator's fitted numbers;
@@ -122,6 +127,7 @@ def test_lint():
     dev("lint")
 
 
+@pytest.mark.slow
 def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
     """From bench-sequence --quick (run above; run it if missing): the balanced layout gives every
     device the same causal blocks, the same total as contiguous shards; the TPU compiler's HBM per
@@ -144,6 +150,7 @@ def test_sequence_sharding_balances_causal_work_and_fits_in_less_hbm_per_chip():
     assert memory[("per-head", 4, 8192)]["fits"], memory
 
 
+@pytest.mark.slow
 def test_the_ring_compiles_for_tpu_beside_the_all_gather():
     """From bench-context-parallel --quick: the TPU compiler compiles the ring's training step (every
     step's Mosaic kernels, the collective permutes between them) for v5e:2x2, as it does the
