@@ -103,6 +103,28 @@ def test_mask_mod_flex_attention_convention():
     )
 
 
+def test_a_mask_mod_follows_what_it_captured():
+    """A mask_mod's mask is that of its captured tensors and scalars at the call, not at the first call."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    documents = torch.arange(64) // 32
+    width = 40
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (documents[q_idx] == documents[kv_idx]) & (q_idx - kv_idx < width)
+
+    mask = from_mask_mod(document_mask)
+    for change in ("none", "tensor in place", "captured scalar"):
+        if change == "tensor in place":
+            documents[:] = torch.arange(64) // 16
+        elif change == "captured scalar":
+            width = 5
+        i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
+        dense = (documents[i] == documents[j]) & (i - j < (40 if change != "captured scalar" else 5))
+        out = torch_splash.attention(q, k, v, mask)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5, msg=change)
+
+
 def test_padding_never_leaks_for_odd_lengths():
     """Padded keys get no weight and padded query rows never reach the output, for every family."""
     for mask in (FullMask(), LocalMask(None, None), ChunkedCausalMask(3), CausalMask(500)):

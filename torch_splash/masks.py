@@ -21,10 +21,10 @@ vectorised at call time. Rows that see no key return 0 with zero gradients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
+from torch_splash import _compat
 from torch_splash_jax import SplashConstraintError, SplashDtypeError, policy
 from torch_splash_jax.immutable import Immutable
 from torch_splash_jax.masks import (
@@ -174,8 +174,25 @@ def from_mask_mod(fn) -> MaskMod:
     return MaskMod(fn)
 
 
-@functools.lru_cache(maxsize=policy.MASK_MODS)
+_RESOLVED = policy.Recent(policy.MASK_MODS)
+
+
 def _resolve_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
+    """fn's mask at this call. Its value depends on what fn captured as well as on fn: the traced
+    code holds its captured scalars, and its captured tensors are held and compared by identity and
+    in-place version. A mask_mod that cannot be traced is evaluated at every call."""
+    _, captured, code = _compat.mask_mod_trace(fn, "cpu")
+    if captured is None:
+        return _evaluate_mask_mod(fn, batch, heads, q_len, kv_len)
+    key = (fn, batch, heads, q_len, kv_len, code, tuple((id(t), _compat.tensor_version(t)) for t in captured))
+    held = _RESOLVED.get(key)
+    # the held tensors keep their ids from being reused while the entry lives
+    if held is not None and all(a is b for a, b in zip(held[0], captured)):
+        return held[1]
+    return _RESOLVED.setdefault(key, (captured, _evaluate_mask_mod(fn, batch, heads, q_len, kv_len)))[1]
+
+
+def _evaluate_mask_mod(fn, batch: int, heads: int, q_len: int, kv_len: int) -> Mask:
     h = torch.arange(heads).view(heads, 1, 1)
     q = torch.arange(q_len).view(1, q_len, 1)
     kv = torch.arange(kv_len).view(1, 1, kv_len)
