@@ -35,24 +35,27 @@ PLANS = 1024
 # milliseconds.
 MASK_TABLES = 64
 # torch_splash_jax.serialization: the plans of the texts the custom ops took last. Plans can hold dense masks;
-# a text read after its plan was evicted is rebuilt from the text and the arrays beside it.
+# a text read after its plan was evicted is rebuilt from the text and the arrays beside it. Also
+# torch_splash._flex_ops._read_call: a FlexAttention op's call text read back; small dicts.
 PLAN_TEXTS = 256
 # torch_splash._sharding.from_text: SPMD shardings read back from the custom ops' text; tiny.
 SHARDINGS = 64
-# torch_splash._ops._table_tensors: a sharded plan's block tables as device tensors.
+# torch_splash._ops._table_tensors and _ring_tables: a plan's block tables as device tensors (the
+# ring's: every step's, each device's own slice).
 TABLE_TENSORS = 64
-# torch_splash._transport._in_graph: one torch_xla computation per program and shapes, so torch_xla
-# sees the same computation every step and compiles it once.
+# torch_splash._transport._in_graph, _ring._permute_function, _sharding._exchange_function: one
+# torch_xla computation per program (or exchange) and shapes, so torch_xla sees the same computation
+# every step and compiles it once.
 IN_GRAPH = 512
 # torch_splash_jax.serialization.mask_from_source: structured masks rebuilt from their source text; tiny.
 MASK_SOURCES = 256
-# torch_splash.flex: the masks of the BlockMasks converted last (a model's layers share one), each
-# holding the partial blocks its mask_mod evaluated: keep few.
+# torch_splash._flex_masks._CONVERTED and _flex_ops._GRAPH_MASKS: the masks of the BlockMasks converted
+# last (a model's layers share one), each holding the partial blocks its mask_mod evaluated: keep few.
 FLEX_MASKS = 8
 # torch_splash._compat.function_calls: route_flex's trampoline codes, one per free-variable count of
 # the function it patches (torch's own: none; TorchTPU's: four); tiny.
 TRAMPOLINES = 8
-# torch_splash.masks._resolve_mask_mod: a FlexAttention mask_mod evaluated densely, (H, Lq, Lkv)
+# torch_splash.masks._RESOLVED: a FlexAttention mask_mod evaluated densely, (H, Lq, Lkv)
 # bools each: keep few.
 MASK_MODS = 32
 
