@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# Where TorchTPU is installed (the current set), `import torch` loads it and the first backward asks
+# it for its device count, which starts libtpu and takes libtpu's lockfile: two test processes
+# doing so at once (both workers, or a worker and the subprocess of a test) abort one of them.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 
