@@ -324,6 +324,26 @@ def test_a_renamed_closure_variable_of_transformers_is_a_version_error(monkeypat
     )
 
 
+@pytest.mark.parametrize("removed", ["prepare_padding_mask", "chunked_overlay"])
+def test_a_masking_utils_function_transformers_removed_is_a_version_error(removed, monkeypatch):
+    """A function the adapter calls, or a factory whose closures it recognises, gone from
+    masking_utils: a SplashVersionError naming transformers and the function, not an AttributeError."""
+    from torch_splash import _compat
+
+    monkeypatch.delattr(mu, removed)
+    for cache in (_compat.hf_masking, _compat._hf_factory_codes):
+        cache.cache_clear()
+    try:
+        with pytest.raises(torch_splash.SplashVersionError, match=rf"transformers 5\..*{removed}"):
+            _compat.hf_masking()
+            _compat.hf_mask_closure(mu.causal_mask_function)
+    finally:
+        monkeypatch.undo()
+        for cache in (_compat.hf_masking, _compat._hf_factory_codes):
+            cache.cache_clear()
+    assert _compat.hf_masking().prepare_padding_mask is mu.prepare_padding_mask
+
+
 def test_arguments_the_adapter_does_not_serve_warn_once_or_are_refused(monkeypatch):
     """As transformers' sdpa adapter: output_attentions warns once (the weights are None); an
     additive position_bias and a sliding window no mask function placed are refused, naming the

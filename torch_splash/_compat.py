@@ -16,6 +16,7 @@ import importlib.util
 import os
 import sys
 import threading
+import types
 import warnings
 
 CHECKED = {"torch": ("2.9.0", "2.15.0"), "torch_xla": ("2.9.0",), "transformers": ("5.24.0",)}
@@ -435,6 +436,19 @@ def _transformers_moved(what: str, error: object):
         f"mask functions there, checked against transformers {', '.join(CHECKED['transformers'])}: install one "
         "of those (pip install 'torch_splash[hf]'), or use attn_implementation='sdpa' with this transformers."
     )
+
+
+@functools.cache
+def hf_masking():
+    """The masking_utils functions the HF adapter calls or compares with (torch_splash.hf): a
+    namespace, so one that transformers moved is a SplashVersionError naming transformers, here."""
+    from transformers import masking_utils
+
+    names = ("causal_mask_function", "bidirectional_mask_function", "sdpa_mask", "prepare_padding_mask")
+    try:
+        return types.SimpleNamespace(**{name: getattr(masking_utils, name) for name in names})
+    except AttributeError as error:
+        raise _transformers_moved("masking_utils lacks a function torch_splash.hf calls", error) from None
 
 
 @functools.cache

@@ -33,10 +33,11 @@ from .sdpa import masked_attention
 
 try:
     from transformers import AttentionInterface
-    from transformers import masking_utils as mu
     from transformers.masking_utils import AttentionMaskInterface
 finally:  # an older transformers than supported is named, whether its import failed or not
     _jax_compat.check_versions(("transformers",))
+
+mu = _compat.hf_masking()
 
 NAME = "splash"
 
