@@ -10,7 +10,7 @@ CPU time against torch's own flex_attention.
    torch_xla has not seen (and would compile).
 3. On the host, per length: `create_block_mask` itself (torch.compile'd, as torch advises at long
    lengths; the second call, so its compile is not counted), turning its BlockMask into splash
-   masks (`torch_splash.flex.block_mask_masks`), building the TPU plan's block tables
+   masks (`torch_splash._flex_masks.block_mask_masks`), building the TPU plan's block tables
    (`torch_splash_jax.program`, tables only: its functions are jitted on first call), both again
    for the next layer, which passes the same BlockMask, and what the first and the next layer
    under torch.compile convert (`graph_tables` run eagerly, as the aot_eager backend runs them, in
@@ -124,7 +124,8 @@ def host_cost(length: int) -> dict:
     """Seconds of create_block_mask, of turning its BlockMask into splash masks, of the TPU plan's
     block tables, and of both again for the next layer that passes the same BlockMask."""
     import torch_splash_jax
-    from torch_splash.flex import block_mask_masks, graph_masks, graph_tables
+    from torch_splash._flex_masks import block_mask_masks
+    from torch_splash._flex_ops import graph_masks, graph_tables
     from torch_splash_jax.plan import plan
 
     block_mask(length)  # create_block_mask compiles for this length first

@@ -16,6 +16,7 @@ OPS = [
     torch.ops.torch_splash.forward.default,
     torch.ops.torch_splash.infer.default,
     torch.ops.torch_splash.backward.default,
+    torch.ops.torch_splash.decode.default,
 ]
 
 
@@ -228,7 +229,15 @@ def test_opcheck(op):
         platform="cpu",
     )
     called = ops.op_arguments(plan, None)
-    if op in OPS[:2]:
+    if op is torch.ops.torch_splash.decode.default:  # two query rows, as a decode step has few
+        decode = torch_splash_jax.decode.decode_plan(
+            **dict(batch=2, num_q_heads=4, num_kv_heads=2, q_len=2, kv_len=56, head_dim=32, head_dim_v=32),
+            **dict(dtype="float32", mask=CausalMask(54), scale=0.2, soft_cap=None, has_segment_ids=True),
+            has_sinks=False,
+            platform="cpu",
+        )
+        args = (q[:, :, :2], k, v, ids[0][:, :2], ids[1], None, serialization.plan_text(decode)[0], "")
+    elif op in OPS[:2]:
         args = (q, k, v, *ids, None, *called, "dlpack")
     else:
         out, lse = OPS[0](q, k, v, *ids, None, *called, "")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import reference
+from helpers import mask_oracle, reference
 
 import torch_splash
 import torch_splash_jax
@@ -88,7 +88,7 @@ def test_decode_matches_the_float64_reference_and_sdpa(batch, hq, hkv, q_len, kv
     ref64 = reference(q, k, v, mask, dtype=torch.float64, **kwargs)
     torch.testing.assert_close(out.double(), ref64, **F32)
     if not kwargs.get("soft_cap") and "sinks" not in kwargs:  # SDPA itself, where SDPA has the option
-        allowed = torch.from_numpy(torch_splash.masks.normalize(mask, batch, hq, q_len, kv_len).dense(q_len, kv_len))
+        allowed = mask_oracle(mask, q_len, kv_len, hq)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True), **F32)
 
 
@@ -120,7 +120,7 @@ def test_logsumexp_matches_the_float64_reference(decode_calls):
     mask = CausalMask(584)
     out, lse = _takes_decode(decode_calls, lambda: torch_splash.attention(q, k, v, mask, return_lse=True))
     logits = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) * 64**-0.5
-    allowed = torch.from_numpy(mask.dense(16, 600))
+    allowed = mask_oracle(mask, 16, 600)
     expected = torch.logsumexp(logits.masked_fill(~allowed, float("-inf")), -1)
     torch.testing.assert_close(lse.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -134,7 +134,7 @@ def test_half_precision_is_as_close_to_float64_as_sdpa(dtype, decode_calls):
     out = _takes_decode(decode_calls, lambda: torch_splash.attention(q, k, v, mask))
     assert out.dtype == dtype
     ref64 = reference(q, k, v, mask, dtype=torch.float64)
-    allowed = torch.from_numpy(mask.dense(2, 800))
+    allowed = mask_oracle(mask, 2, 800)
     sdpa = F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True)
     mine, theirs = (out.double() - ref64).abs().max(), (sdpa.double() - ref64).abs().max()
     assert mine <= 2 * theirs + 4e-3, (mine, theirs)

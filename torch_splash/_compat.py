@@ -19,7 +19,7 @@ import threading
 import types
 import warnings
 
-CHECKED = {"torch": ("2.9.0", "2.15.0"), "torch_xla": ("2.9.0",), "transformers": ("5.24.0",)}
+CHECKED = {"torch": ("2.9.0", "2.15.0"), "torch_xla": ("2.9.0",), "torch-tpu": ("0.2.0",), "transformers": ("5.24.0",)}
 
 
 # --- The device guard (torch_xla._internal.jax_workarounds) -------------------------------------
@@ -218,7 +218,7 @@ def overrides_torch_function(t) -> bool:
 # torch_splash.route_flex has torch's function object run another function's call while its block
 # lasts, by swapping the object's code (a compiled wrapper made before the block reaches the object
 # by its code), and rebinds the module globals bound to it. Checked against torch's function in
-# CHECKED["torch"]'s releases (no free variables) and TorchTPU 0.2.0's patched one (four), whose
+# CHECKED["torch"]'s releases (no free variables) and CHECKED["torch-tpu"]'s patched one (four), whose
 # code is only ever replaced by code of as many free variables, as CPython requires.
 
 _SWAP_LOCK = threading.Lock()
@@ -257,6 +257,8 @@ def _trampoline(module: str, name: str, free_variables: int):
     return _trampolines(policy.TRAMPOLINES)(module, name, free_variables)
 
 
+# The bounded cache is made on first use, sized by policy.TRAMPOLINES then: this module imports
+# nothing of the packages at import time.
 @functools.cache
 def _trampolines(size: int):
     @functools.lru_cache(maxsize=size)

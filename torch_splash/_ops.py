@@ -1,10 +1,11 @@
 """Splash as torch.library custom ops with autograd: what `attention` runs once a call is checked
 and planned (`attend`).
 
-Three ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
-logsumexp residual), `infer` (output only, where no gradient is needed) and `backward` (dq, dk,
-dv, d_sinks from the dq/dkv kernels on the forward's residuals). Eager calls run the JAX programs;
-fake (meta) implementations give torch the output shapes.
+Four ops, so that torch.compile / AOTAutograd trace through them: `forward` (output and the
+logsumexp residual), `infer` (output only, where no gradient is needed), `backward` (dq, dk,
+dv, d_sinks from the dq/dkv kernels on the forward's residuals) and `decode` (the decode kernel's
+output and logsumexp; no gradient). Eager calls run the JAX programs; fake (meta)
+implementations give torch the output shapes.
 """
 
 from __future__ import annotations

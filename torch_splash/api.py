@@ -76,7 +76,7 @@ def attention(
             normalises over, as if a key with that logit and a zero value were always visible.
         return_lse: also return the logsumexp of each row's scaled (and soft-capped) logits,
             (B, Hq, Lq) float32, natural log, -inf on rows that see no key (FlexAttention's
-            convention). It carries no gradient. Unsharded calls only.
+            convention). It carries no gradient. Unsharded calls without sinks only.
         kernel: None (default): decode-shaped calls (few query rows per kv head against more
             keys, no gradient needed) take the decode kernel, the others the splash kernels;
             "decode" or "splash" choose. The decode kernel reads k and v once per kv head in
@@ -147,7 +147,7 @@ def _attention(
     kernel=None,
 ):
     """`attention`'s work; with return_lse, (out, the kernels' logsumexp (B, Hq, Lq) float32 of the
-    scaled logits, natural log, -inf on rows that see no key). Unsharded calls only."""
+    scaled logits, natural log, -inf on rows that see no key). Unsharded calls without sinks only."""
     if mask_source is not None:
         mask = serialization.mask_from_source(mask_source)
     call = _checks.check_call(q, k, v, mask, scale, segment_ids, soft_cap, sinks)

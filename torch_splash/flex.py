@@ -13,13 +13,13 @@ splash program, so documents packed anew run the program already compiled when t
 to the same shapes.
 
 Under torch.compile(fullgraph=True) the BlockMask is converted inside the graph (Dynamo traces the
-mask_mod), and custom ops run the kernels on the result: see `graph_tables`.
+mask_mod), and custom ops run the kernels on the result: see `_flex_ops.graph_tables`.
 
 A score_mod is read from its traced graph (`_score_mod`): the identity, factors (folded into the
 scale), `soft_cap(cap)` (a valid score_mod for torch's flex_attention too, so one model runs both
 ways) and -inf by a predicate of the indices (a mask, combined with the BlockMask's) are served;
 any other is refused naming the operation. Key and value of batch 1 serve every batch element
-(`_fold`), and the returned logsumexp is differentiable (`_gradients`).
+(`_flex_masks.fold`), and the returned logsumexp is differentiable (`_flex_ops.gradients`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,9 @@ from torch.nn.attention import flex_attention as _torch_flex
 from torch_splash_jax import SplashConstraintError, SplashDtypeError
 
 from . import _checks, _compat, _flex_masks, _flex_ops, _score_mod
-from ._flex_masks import block_mask_masks
-from ._flex_ops import graph_masks, graph_tables
 from .api import attention
 
 __all__ = ["flex_attention", "route_flex", "soft_cap"]
-# The conversions, for the benchmarks and tests that measure them.
-_CONVERSIONS = (block_mask_masks, graph_masks, graph_tables)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,8 +57,6 @@ TORCH_XLA_NEEDS = {"torch": ("2.9", "2.10"), "jax": ("0.7.1", "0.8")}
 # The releases every entry below was checked against (the tested sets in locks/).
 CHECKED = {
     "jax": ("0.7.1", "0.12.0.1"),
-    "torch_xla": ("2.9.0",),
-    "torch-tpu": ("0.2.0",),
     "libtpu": ("0.0.21", "0.0.52"),
     "tokamax": ("0.0.17",),  # calibration only (torch_splash_jax.tpu_time.calibration)
 }

@@ -3,7 +3,8 @@
 The masks are defined in `structured_masks` (`Mask`, the structured families evaluated from
 positions, their compositions and per-head masks) and `data_masks` (`DenseMask`,
 `BlockSparseMask`); `bind` turns one into the JAX kernel's mask on the padded grid, with the padded
-keys hidden.
+keys hidden. `__all__` is the JAX side's own: what its other modules take from here; users reach
+the masks through `torch_splash_jax` and `torch_splash.masks`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ or a semaphore, which the schedule shows as one bundle whatever the wait.
 
 A kernel's program is a prologue, the grid loop (one iteration per grid step, ended by a backward
 branch) and an epilogue. Inside the loop, each `pl.when` becomes a forward branch over a region:
-the step runs the region's bundles only when its condition holds. `Schedule.loop` lists those
+the step runs the region's bundles only when its condition holds. `Schedule.regions` lists those
 regions in program order with their bundles and unit use; which steps run which region is the
 caller's knowledge of the kernel (`torch_splash_jax.tpu_time`).
 
