@@ -29,16 +29,17 @@ def test_demo():
 
 
 # The quick runs that take minutes each on 2 cores (measured with --durations: 3 to 10 minutes
-# under load) are slow tests, with the assertions on their results: `./dev.sh test -m slow` runs
-# them, and a change to what they run is checked that way before it lands.
+# under load) are slow tests, with the assertions on their results; so are the CPU benchmarks' (15
+# to 50 s each), whose code paths the other tests run: `./dev.sh test -m slow` runs them, and a
+# change to what they run is checked that way before it lands.
 @pytest.mark.parametrize(
     "command,result,key",
     [
-        ("bench", "bridge_quick.json", "large"),
-        ("bench-masks", "masks_quick.json", "tables"),
-        ("bench-memory", "memory_quick.json", "programs"),
-        ("bench-hf", "hf_quick.json", "rows"),
-        ("bench-transports", "transports_quick.json", "graph"),
+        pytest.param("bench", "bridge_quick.json", "large", marks=pytest.mark.slow),
+        pytest.param("bench-masks", "masks_quick.json", "tables", marks=pytest.mark.slow),
+        pytest.param("bench-memory", "memory_quick.json", "programs", marks=pytest.mark.slow),
+        pytest.param("bench-hf", "hf_quick.json", "rows", marks=pytest.mark.slow),
+        pytest.param("bench-transports", "transports_quick.json", "graph", marks=pytest.mark.slow),
         ("bench-tpu-memory", "tpu_memory_quick.json", "rows"),
         pytest.param("bench-flex", "flex_quick.json", "rows", marks=pytest.mark.slow),
         pytest.param("bench-sequence", "sequence_quick.json", "blocks", marks=pytest.mark.slow),

@@ -2,14 +2,15 @@
 shapes (a server, a data pipeline with varied lengths) stops growing once the program cache has
 turned over, without clearing JAX's caches (the caller's own).
 
-What used to grow: JAX's tracing caches keyed on the splash module's long-lived jitted kernel, about
-25 live jaxprs and 0.5 MB of RSS per new shape, released only at JAX's own bounds (thousands of
-entries). The kernel is now traced into each program's own jitted functions
+Through the splash module's long-lived jitted kernel, JAX's tracing caches keep about 25 live
+jaxprs and 0.5 MB of RSS per new shape, released only at JAX's own bounds (thousands of entries):
+the kernel is traced into each program's own jitted functions instead
 (torch_splash_jax.compat.call_splash_kernel), whose cache entries die with the program."""
 
 import os
 import textwrap
 
+import pytest
 from helpers import run_python
 
 CACHE_SIZE = 16
@@ -46,6 +47,7 @@ def _run(env: dict) -> dict:
     return run_python("-c", textwrap.dedent(SCRIPT), env=env, timeout=900)[-1]
 
 
+@pytest.mark.slow  # 160 shapes in a process of their own: a minute on 2 cores
 def test_memory_stops_growing_over_new_shapes_with_default_settings():
     env = {k: v for k, v in os.environ.items() if k != "TORCH_SPLASH_CLEAR_JAX_CACHES"}
     result = _run({**env, "TORCH_SPLASH_PROGRAM_CACHE_SIZE": str(CACHE_SIZE)})

@@ -59,14 +59,43 @@ ERRORS = {
 }
 
 
-@pytest.fixture(scope="module")
-def worker_results():
+# Cases whose layout and mask another default case already shards (the ring's masks are also
+# reproduced by tests/test_ring.py): run under -m slow, by a worker of their own.
+SLOW = {
+    "seq4-chunked-mqa-ids",
+    "heads-seq-sinks-balanced",
+    "ring-seq4-window-mqa-ids-balanced",
+    "ring-seq4-chunked-ids",
+    "ring-seq4-full-ids",
+    "ring-batch-seq-window-ids",
+    "ring-seq4-tensor-balanced",
+}
+CASES = [pytest.param(case, marks=[pytest.mark.slow] if case in SLOW else []) for case in EXPECTED]
+
+
+def _run_worker(*names) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    lines = run_python(str(WORKER), env=env, timeout=1200)
+    lines = run_python(str(WORKER), *names, env=env, timeout=1200)
     return {r.get("case", r.get("error")): r for r in lines}
 
 
-@pytest.mark.parametrize("case", list(EXPECTED))
+@pytest.fixture(scope="module")
+def default_results():
+    return _run_worker(*(case for case in EXPECTED if case not in SLOW))
+
+
+@pytest.fixture(scope="module")
+def slow_results():
+    return _run_worker(*SLOW)
+
+
+@pytest.fixture
+def worker_results(request, default_results):
+    case = request.node.callspec.params.get("case")
+    return request.getfixturevalue("slow_results") if case in SLOW else default_results
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
     result = worker_results[case]
     out_sharding, local = EXPECTED[case]
@@ -82,7 +111,7 @@ def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
         assert result["kv_sharding"] == out_sharding
 
 
-@pytest.mark.parametrize("case", list(EXPECTED))
+@pytest.mark.parametrize("case", CASES)
 def test_shard_local_programs_lower_for_tpu(worker_results, case):
     # jax.export(platforms=["tpu"]) of the programs attention() hands torch_xla for one shard:
     # one Mosaic kernel forward; backward, dkv with dq fused into it as the plan has it at these

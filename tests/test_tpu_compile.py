@@ -155,8 +155,20 @@ ALSO_V6E = {
     "head-dim-512-planned",
     "flex-lse-grad-dv129",
 }
-DEFAULT = [dict(case, generations=GENERATIONS if case["name"] in ALSO_V6E else ["v5e"]) for case in DEFAULT]
-COMPILED = [(case, generation) for case in DEFAULT for generation in case["generations"]]
+# The infer program is the forward's kernel without the logsumexp output: compiled for those too,
+# and for every case under -m slow.
+DEFAULT = [
+    dict(
+        case,
+        generations=GENERATIONS if case["name"] in ALSO_V6E else ["v5e"],
+        kinds=KINDS if case["name"] in ALSO_V6E else KINDS[:2],
+    )
+    for case in DEFAULT
+]
+COMPILED = [
+    (case, generation, kind) for case in DEFAULT for generation in case["generations"] for kind in case["kinds"]
+]
+COMPILED_IDS = [f"{c['name']}-{g}-{k}" for c, g, k in COMPILED]
 
 MASKS = [
     "CausalMask(0)",
@@ -203,7 +215,14 @@ def _by_key(results):
 def default_results():
     newest = 8 if LIBTPU_RELEASE == mosaic.PINNED_LIBTPU else mosaic.newest_written()
     cases = DEFAULT + [
-        dict(DEFAULT[0], name="jax-default-version-8", scale=0.1, mosaic_version=newest, generations=GENERATIONS)
+        dict(
+            DEFAULT[0],
+            name="jax-default-version-8",
+            scale=0.1,
+            mosaic_version=newest,
+            generations=GENERATIONS,
+            kinds=["forward"],
+        )
     ]
     return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases)))
 
@@ -238,8 +257,7 @@ def _assert_compiled(results, case, kind, generation):
 # The in-graph modules are what torch_xla's graph transport runs: the torch_xla set compiles them.
 # The current set compiles the same programs as TorchTPU's jax_op exports them (below).
 @pytest.mark.xla
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case,generation", COMPILED, ids=[f"{c['name']}-{g}" for c, g in COMPILED])
+@pytest.mark.parametrize("case,generation,kind", COMPILED, ids=COMPILED_IDS)
 def test_program_compiles_for_tpu(default_results, case, kind, generation):
     _assert_compiled(default_results, case, kind, generation)
 
@@ -259,8 +277,7 @@ def test_a_mosaic_version_past_the_libtpu_s_is_refused(default_results):
 
 
 @pytest.mark.torchtpu
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case,generation", COMPILED, ids=[f"{c['name']}-{g}" for c, g in COMPILED])
+@pytest.mark.parametrize("case,generation,kind", COMPILED, ids=COMPILED_IDS)
 def test_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_results, case, kind, generation):
     """What the TorchTPU transport hands TorchTPU: each program exported as TorchTPU's jax_op exports
     it, compiled from that module by the libtpu TorchTPU requires."""
