@@ -193,7 +193,7 @@ def flex_attention(
         )
     want_lse = return_lse or (return_aux is not None and return_aux.lse)
     if torch.compiler.is_compiling():
-        out, lse = _compiled(query, key, value, score_mod, block_mask, scale)
+        out, lse = _compiled(query, key, value, score_mod, block_mask, scale, want_lse)
     else:
         out, lse = _eager(query, key, value, score_mod, block_mask, scale, want_lse)
     if not want_lse:
@@ -201,18 +201,19 @@ def flex_attention(
     return (out, _torch_flex.AuxOutput(lse=lse)) if return_aux is not None else (out, lse)
 
 
-def _compiled(query, key, value, score_mod, block_mask, scale):
+def _compiled(query, key, value, score_mod, block_mask, scale, want_lse):
     """(out, lse) while Dynamo traces: the score_mod's form decided as a constant of the graph."""
     if score_mod is not None and not isinstance(score_mod, SoftCap):
         _compat.break_unless_constant(score_mod, _MADE_WHILE_TRACING)
         refusal, eager_serves, *form = _form_while_tracing(score_mod, _SCORE_MOD_DEVICE)
-        if refusal and not eager_serves:
-            # under fullgraph the break is the error, saying why first; without, the call goes on
-            # past the break and raises the SplashError itself
-            _compat.break_graph(f"torch_splash.flex_attention cannot serve this call: {refusal}")
         if refusal:
-            # a raise in the traced code: without fullgraph Dynamo runs the whole call eagerly,
-            # which serves a captured tensor's factor at its value of the moment
+            # under fullgraph the break is the error, saying why first
+            where = "" if not eager_serves else " under torch.compile(fullgraph=True)"
+            _compat.break_graph(f"torch_splash.flex_attention cannot serve this call{where}: {refusal}")
+            if not torch.compiler.is_compiling():
+                # without fullgraph, past the break this runs eagerly: the eager call raises the
+                # SplashError itself, or serves a captured tensor's factor at its value of the moment
+                return _eager(query, key, value, score_mod, block_mask, scale, want_lse)
             raise SplashConstraintError(refusal)
     else:
         form = _form(score_mod, _SCORE_MOD_DEVICE)
