@@ -223,3 +223,20 @@ def test_floor_division_inside_the_kernel_equals_numpy_s_for_every_sign():
     x = np.arange(-600, 600, dtype=np.int32)
     for divisor in (1, 3, 7, 128, 4096):
         assert np.array_equal(np.asarray(_floor_div(jnp.asarray(x), divisor)), x // divisor), divisor
+
+
+def test_a_wrong_allows_fails_against_the_oracle(monkeypatch):
+    """The references are the masks' definitions, not their code: a ChunkedCausalMask whose
+    `allows()` forgot causality inside each chunk (the kernel's and the host's mask function) gives
+    outputs the reference rejects. A mask and shape of this test's own, dropped from the caches after."""
+    import torch_splash_jax
+    from torch_splash_jax import tables
+
+    monkeypatch.setattr(torch_splash_jax.ChunkedCausalMask, "allows", lambda self, q, kv: q // 19 == kv // 19)
+    q, k, v = make_qkv(1, 1, 1, 77, 77, 32, 32, torch.float32)
+    try:
+        with pytest.raises(AssertionError):
+            assert_matches_reference(q, k, v, torch_splash.masks.ChunkedCausalMask(19))
+    finally:
+        torch_splash_jax.program.cache_clear()
+        tables.mask_info.cache_clear()
