@@ -301,7 +301,8 @@ def torchtpu_results():
 # The decode kernel's programs (torch_splash_jax.decode: forward only): decode steps of every kind it
 # serves, chunked prefill (row blocks), several splits, head_dim 64 to 256, each dtype.
 DECODE = [
-    _case("decode-gqa-bf16-32k", 32, 8, 1, 32768, 128, "bfloat16", "CausalMask(32767)", batch=8, kernel="decode"),
+    _case("decode-gqa-bf16-32k", 32, 8, 1, 32768, 128, "bfloat16", "CausalMask(32767)", batch=8, kernel="decode",
+          segment_ids=True),
     _case("decode-mqa-f32-ids", 8, 1, 1, 1000, 64, "float32", "FullMask()", segment_ids=True, kernel="decode"),
     _case("decode-window-softcap-sinks", 8, 2, 4, 3000, 256, "bfloat16", "LocalMask(1023, 0, 2996)", kernel="decode",
           soft_cap=30.0, sinks=True, segment_ids=True),

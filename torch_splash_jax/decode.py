@@ -32,11 +32,16 @@ AUTO_MAX_ROWS = 512
 # A grid step reads `block_heads` kv heads' blocks of `block_kv` keys. Each step costs a fixed
 # overhead, and each unit of the grid (batch element x head block x row block x split) a stall
 # where its output is written back (`tpu_time`), so blocks are as large as VMEM_BUDGET allows
-# (`_vmem_bytes`; v5e's default scoped VMEM is 16 MiB, and Mosaic keeps some for itself): kv heads
-# first, as many as leave each MIN_BLOCK_KV keys, then keys, at most MAX_BLOCK_KV (past it the
-# steps are few and longer blocks only waste the cache's last one). At most MAX_BLOCK_ROWS rows.
+# (`_vmem_bytes`): kv heads first, as many as leave each MIN_BLOCK_KV keys, then keys, at most
+# MAX_BLOCK_KV (past it the steps are few and longer blocks only waste the cache's last one). At
+# most MAX_BLOCK_ROWS rows. The kernel asks Mosaic for VMEM_LIMIT of scoped VMEM (the default is
+# 16 MiB on v5e, 32 on v6e and v7x; v7x has 64 MiB in all), and the budget leaves Mosaic 8 MiB of
+# it. Estimated (./dev.sh bench-decode, B=8, 32/8 heads, 32K cache), 8 heads x 4096 keys against
+# the 8 x 1024 that 12 MiB allowed: 1.22x -> 1.17x the HBM floor on v5e, 1.36x -> 1.27x on v6e,
+# 1.73x -> 1.56x on v7x; blocks past 48 MiB of scoped VMEM would crowd v7x.
 MAX_BLOCK_ROWS = 256
-VMEM_BUDGET = 12 << 20
+VMEM_LIMIT = 48 << 20
+VMEM_BUDGET = VMEM_LIMIT - (8 << 20)
 MIN_BLOCK_KV = 1024
 MAX_BLOCK_KV = 8192
 
@@ -296,6 +301,7 @@ class DecodeProgram:
             block_rows=p.block_rows,
             block_kv=p.block_kv,
             splits=p.splits,
+            vmem_limit=VMEM_LIMIT,
             interpret=p.platform != "tpu",
         )
         maxima, sums = maxima[..., 0], sums[..., 0]  # (B, Hkv, S, R)

@@ -94,60 +94,91 @@ def _kernel(
 
     @pl.when(block < stop)
     def _step():
+        # With fewer rows than a vector register's 8 sublanes, `pack` heads' rows share each
+        # register through the softmax (stacked head after head), so its element-wise work runs
+        # on full registers.
+        pack = 8 // block_rows if block_rows < 8 and block_heads % (8 // block_rows) == 0 else 1
         # What is allowed depends on positions only: the same for every head of the block.
         # Positions as a column and a row: the mask broadcasts them, and the division by the
         # group runs on one column, not on every logit.
-        rows = rb * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        local = lax.broadcasted_iota(jnp.int32, (pack * block_rows, 1), 0)
+        rows = rb * block_rows + (lax.rem(local, np.int32(block_rows)) if pack > 1 else local)
         keys = block * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         allowed = mask.allows(lax.div(rows, np.int32(group)), keys)
         if kv_len % block_kv:  # the last block reaches past the cache
             allowed = _and(allowed, keys < kv_len)
         if has_segment_ids:
-            allowed = _and(allowed, q_ids_ref[...] == kv_ids_ref[...])
+            q_ids = q_ids_ref[...]
+            q_ids = jnp.concatenate([q_ids] * pack, axis=0) if pack > 1 else q_ids
+            allowed = _and(allowed, q_ids == kv_ids_ref[...])
         if allowed is not None:
-            allowed = jnp.broadcast_to(allowed, (block_rows, block_kv))
-        # One static step per head, so that the TPU compiler's schedule shows all of them. Head
-        # h + 1's logits are issued before head h's softmax and p v: the MXU runs its matmuls in
-        # program order, so this lets the pushes of the next head's keys overlap this head's
-        # softmax; two heads' logits are live at a time, not all of them.
+            allowed = jnp.broadcast_to(allowed, (pack * block_rows, block_kv))
+        # One static step per group of heads, so that the TPU compiler's schedule shows all of
+        # them. Group g + 1's logits are issued before group g's softmax and p v: the MXU runs its
+        # matmuls in program order, so this lets the pushes of the next heads' keys overlap this
+        # group's softmax; two groups' logits are live at a time, not all of them.
         head = functools.partial(
-            _one_head_logits, q_ref, k_ref, scale=scale, soft_cap=soft_cap, allowed=allowed, compute_dtype=compute_dtype
+            _one_head_logits, q_ref, k_ref, scale=scale, soft_cap=soft_cap, compute_dtype=compute_dtype
         )
-        logits = head(0)
-        for h in range(block_heads):
-            following = head(h + 1) if h + 1 < block_heads else None
-            _one_head_update(h, logits, v_ref, acc_ref, m_ref, l_ref, allowed, block, block_kv, kv_len, compute_dtype)
+
+        def group_logits(g):
+            logits = jnp.concatenate([head(g * pack + j) for j in range(pack)], axis=0) if pack > 1 else head(g)
+            return logits if allowed is None else jnp.where(allowed, logits, MASKED)
+
+        logits = group_logits(0)
+        for g in range(block_heads // pack):
+            following = group_logits(g + 1) if g + 1 < block_heads // pack else None
+            _group_update(
+                g,
+                pack,
+                block_rows,
+                logits,
+                v_ref,
+                acc_ref,
+                m_ref,
+                l_ref,
+                allowed,
+                block,
+                block_kv,
+                kv_len,
+                compute_dtype,
+            )
             logits = following
 
 
-def _one_head_logits(q_ref, k_ref, h, *, scale, soft_cap, allowed, compute_dtype):
-    """Head h's masked logits over the block, float32."""
+def _one_head_logits(q_ref, k_ref, h, *, scale, soft_cap, compute_dtype):
+    """Head h's logits over the block (soft-capped, not masked), float32."""
     q = (q_ref[h].astype(jnp.float32) * scale).astype(compute_dtype)
     k = k_ref[h].astype(compute_dtype)
     logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    if allowed is not None:
-        logits = jnp.where(allowed, logits, MASKED)
     return logits
 
 
-def _one_head_update(h, logits, v_ref, acc_ref, m_ref, l_ref, allowed, block, block_kv, kv_len, compute_dtype):
-    """The online softmax of head h's rows over one kv block, from its logits."""
-    m_prev, l_prev = m_ref[h][:, :1], l_ref[h][:, :1]
+def _group_update(g, pack, rows, logits, v_ref, acc_ref, m_ref, l_ref, allowed, block, block_kv, kv_len, compute_dtype):
+    """The online softmax of heads g * pack ... (g + 1) * pack - 1 over one kv block, from their
+    masked logits stacked head after head (`pack` x rows rows)."""
+    heads = [g * pack + j for j in range(pack)]
+    m_prev = jnp.concatenate([m_ref[h][:, :1] for h in heads], axis=0) if pack > 1 else m_ref[g][:, :1]
+    l_prev = jnp.concatenate([l_ref[h][:, :1] for h in heads], axis=0) if pack > 1 else l_ref[g][:, :1]
     m_next = jnp.maximum(m_prev, logits.max(axis=1, keepdims=True))
     p = jnp.exp(logits - m_next)
     if allowed is not None:
         p = jnp.where(allowed, p, 0.0)
     alpha = jnp.exp(m_prev - m_next)
-    v = v_ref[h].astype(compute_dtype)
-    if kv_len % block_kv:  # past the cache v may hold NaN: p is 0 there, but 0 * NaN is not
-        in_cache = block * block_kv + lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
-        v = jnp.where(in_cache, v, jnp.zeros_like(v))
-    pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    acc_ref[h] = alpha * acc_ref[h] + pv
-    m_ref[h] = jnp.broadcast_to(m_next, m_ref.shape[1:])
-    l_ref[h] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=1, keepdims=True), l_ref.shape[1:])
+    l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+    p = p.astype(compute_dtype)
+    for j, h in enumerate(heads):
+        v = v_ref[h].astype(compute_dtype)
+        if kv_len % block_kv:  # past the cache v may hold NaN: p is 0 there, but 0 * NaN is not
+            in_cache = block * block_kv + lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
+            v = jnp.where(in_cache, v, jnp.zeros_like(v))
+        own = slice(j * rows, (j + 1) * rows)
+        pv = lax.dot_general(p[own], v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[h] = alpha[own] * acc_ref[h] + pv
+        m_ref[h] = jnp.broadcast_to(m_next[own], m_ref.shape[1:])
+        l_ref[h] = jnp.broadcast_to(l_next[own], l_ref.shape[1:])
 
 
 def decode_call(
@@ -167,6 +198,7 @@ def decode_call(
     block_rows: int,
     block_kv: int,
     splits: int,
+    vmem_limit: int,
     interpret: bool,
 ):
     """The kernel on q (B, Hkv, R, D) (rows padded to a multiple of block_rows), k (B, Hkv, Lkv, D),
@@ -244,7 +276,9 @@ def decode_call(
         body,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * 4 + ("arbitrary",), vmem_limit_bytes=vmem_limit
+        ),
         interpret=interpret,
         name="splash_decode",
     )(row_ranges, batch_ranges, *inputs)
