@@ -3,6 +3,7 @@ estimate of real kernels compiled deviceless (the current set's libtpu, the one 
 with). The calibration against tokamax's measured times is `python -m torch_splash_jax.tpu_time
 calibrate` (docs/benchmarks.md); here a few of its entries run as a quick check."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -43,9 +44,10 @@ def _kernel(tmp_path, body: dict[int, str], count: int, units=None) -> schedule.
 MATMUL = "%v1 = vmatmul.bf16.gmra.mxu0 %v2"
 
 
-def _grid_kernel(tmp_path, matmul_regions=1):
+def _grid_kernel(tmp_path, matmul_regions=1, loop=True):
     """bundles 0-1 prologue; the loop 2..29 (back branch at 29): a first-step region 4..6, run
-    regions with matmuls, a last-step region, then 40 bundles in all."""
+    regions with matmuls, a last-step region, then 40 bundles in all. loop=False: the same without
+    the back branch, as a grid of one step compiles."""
     body = {
         0: "%s0 = sld [smem:[#allocation0]] /* megacore core id :: core id */",
         2: "%s3 = sadd.s32 1, %s3 /* Start region 2 */",
@@ -65,7 +67,8 @@ def _grid_kernel(tmp_path, matmul_regions=1):
     body[last] = f"%s7 = smov 0 /* Start region {region} */ ;; %12 = sbr.rel (%p4) target = $region{region + 1}"
     body[last + 1] = "%s8 = smov 1 /* Start region 50 */"
     body[last + 4] = f"%s9 = smov 0 /* Start region {region + 1} */"
-    body[29] = "%13 = sbr.rel (!%p5) target = $region2"
+    if loop:
+        body[29] = "%13 = sbr.rel (!%p5) target = $region2"
     units = [[1 if "vmatmul" in body.get(i, "") else 0, 0, 1] for i in range(40)]
     return _kernel(tmp_path, body, 40, units)
 
@@ -89,10 +92,18 @@ def test_two_matmul_regions_are_full_and_partial_blocks(tmp_path):
 def test_a_kernel_of_another_shape_is_reported_not_guessed(tmp_path):
     with pytest.raises(schedule.ScheduleError, match="3 regions with MXU work"):
         tpu_time.roles(_grid_kernel(tmp_path, matmul_regions=3))
-    flat = tmp_path / "flat"
-    flat.mkdir()
-    with pytest.raises(schedule.ScheduleError, match="no grid loop"):
-        _kernel(flat, {}, 10)
+
+
+def test_a_kernel_without_a_loop_is_read_as_one_grid_step(tmp_path):
+    """A grid of one step per core (a decode call of one sequence whose cache is one block)
+    compiles to straight-line code: every bundle runs once. More steps than one with no loop is
+    reported, not guessed."""
+    one_step = _grid_kernel(tmp_path, loop=False)
+    assert (one_step.loop_start, one_step.loop_end, one_step.grid_loop) == (0, 40, False)
+    work = tpu_time.Work("forward", units=1, steps=1, first=1, last=1, full=1, partial=0, flops=0.0, read_bytes=0.0)
+    assert tpu_time.kernel_time(one_step, work, "v5e", calibrated=False).bundles == 40
+    with pytest.raises(schedule.ScheduleError, match="no grid loop.*runs 2 grid steps per core"):
+        tpu_time.kernel_time(one_step, dataclasses.replace(work, steps=2), "v5e")
 
 
 def test_kernel_time_counts_each_region_for_the_steps_that_run_it(tmp_path, monkeypatch):

@@ -156,6 +156,11 @@ def kernel_time(
     target = chip(generation)
     cores = 2 if schedule.megacore and target.cores == 2 else 1
     units = math.ceil(work.units / cores)  # per core
+    if not schedule.grid_loop and units * work.steps != 1:
+        raise ScheduleError(
+            f"{schedule.name}: no grid loop (no backward branch), yet the call runs {units * work.steps} grid "
+            "steps per core: a program without a loop is read as one step only"
+        )
     counts = {
         "always": work.steps,
         "first": work.first,

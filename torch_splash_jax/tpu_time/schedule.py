@@ -80,6 +80,7 @@ class Schedule:
     capacity: tuple  # slots of each unit per bundle
     loop_units: tuple  # slots used per unit, summed over the loop body
     megacore: bool  # the kernel reads its core id: its grid is split over a chip's two cores
+    grid_loop: bool = True  # False: no loop, the program is one grid step (see `kernel_time`)
 
     # the MXU's unit: "MATMUL" in libtpu 0.0.52's utilization dumps, "MXU" in 0.0.21's
     @property
@@ -156,16 +157,16 @@ def read(bundles_path: str | pathlib.Path, utilization_path: str | pathlib.Path 
                 raise ScheduleError(f"{path.name}: bundle {index:#x} branches to region {found[2]}, never started")
             branches.append((index, target))
     backward = [(index, target) for index, target in branches if target <= index]
-    if not backward:
-        raise ScheduleError(f"{path.name}: no grid loop (no backward branch)")
-    # the grid loop: the outermost backward branch
-    loop_branch, loop_start = max(backward, key=lambda pair: pair[0] - pair[1])
     if len(backward) > 1:
         raise ScheduleError(
             f"{path.name}: {len(backward)} loops; the estimator reads kernels whose only loop is the grid "
             "(inner loops unrolled, as the splash kernels' are)"
         )
-    loop_end = loop_branch + 1
+    if backward:  # the grid loop: the backward branch
+        (loop_branch, loop_start), grid_loop = backward[0], True
+        loop_end = loop_branch + 1
+    else:  # a grid of one step (per core) compiles to straight-line code: the whole program is it
+        loop_start, loop_end, grid_loop = 0, count, False
     names, capacity, used = _utilization(utilization_path, count)
     matmuls = np.array([len(_MATMUL.findall(text)) for text in texts])
     skips = sorted((index + 1, target) for index, target in branches if loop_start <= index < target <= loop_end)
@@ -192,6 +193,7 @@ def read(bundles_path: str | pathlib.Path, utilization_path: str | pathlib.Path 
         capacity=capacity,
         loop_units=tuple(int(x) for x in used[loop_start:loop_end].sum(0)),
         megacore=any("megacore core id" in text for text in texts[:64]),
+        grid_loop=grid_loop,
     )
 
 
