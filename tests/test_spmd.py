@@ -62,6 +62,10 @@ ERRORS = {
 # Cases whose layout and mask another default case already shards (the ring's masks are also
 # reproduced by tests/test_ring.py): run under -m slow, by a worker of their own.
 SLOW = {
+    "all-devices-on-batch-sinks",
+    "seq4-causal",
+    "heads-seq-per-head-sinks-balanced",
+    "ring-seq4-causal-ids-sinks",
     "seq4-chunked-mqa-ids",
     "heads-seq-sinks-balanced",
     "ring-seq4-window-mqa-ids-balanced",
