@@ -168,7 +168,13 @@ DEFAULT = [
 COMPILED = [
     (case, generation, kind) for case in DEFAULT for generation in case["generations"] for kind in case["kinds"]
 ]
-COMPILED_IDS = [f"{c['name']}-{g}-{k}" for c, g, k in COMPILED]
+
+
+def _ids(triples) -> list[str]:
+    return [f"{c['name']}-{g}-{k}" for c, g, k in triples]
+
+
+COMPILED_IDS = _ids(COMPILED)
 
 MASKS = [
     "CausalMask(0)",
@@ -283,9 +289,7 @@ OTHER_COMPILED = [t for t in COMPILED if t[0]["name"] not in ALSO_V6E]
 
 
 @pytest.mark.torchtpu
-@pytest.mark.parametrize(
-    "case,generation,kind", EDGE_COMPILED, ids=[f"{c['name']}-{g}-{k}" for c, g, k in EDGE_COMPILED]
-)
+@pytest.mark.parametrize("case,generation,kind", EDGE_COMPILED, ids=_ids(EDGE_COMPILED))
 def test_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_results, case, kind, generation):
     """What the TorchTPU transport hands TorchTPU: each program exported as TorchTPU's jax_op exports
     it, compiled from that module by the libtpu TorchTPU requires."""
@@ -294,9 +298,7 @@ def test_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_results, case, 
 
 @pytest.mark.torchtpu
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case,generation,kind", OTHER_COMPILED, ids=[f"{c['name']}-{g}-{k}" for c, g, k in OTHER_COMPILED]
-)
+@pytest.mark.parametrize("case,generation,kind", OTHER_COMPILED, ids=_ids(OTHER_COMPILED))
 def test_every_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_other_results, case, kind, generation):
     _assert_compiled(torchtpu_other_results, case, kind, generation)
 
