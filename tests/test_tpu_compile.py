@@ -311,16 +311,18 @@ def test_program_exported_for_torchtpu_compiles_for_v7x(torchtpu_results, case, 
     _assert_compiled(torchtpu_results, case, kind, "v7x")
 
 
+def _exported(cases) -> dict:
+    return _by_key(_worker("torchtpu", ",".join(NEWEST_GENERATIONS), stdin=_lines(cases)))
+
+
 @pytest.fixture(scope="module")
 def torchtpu_results():
-    cases = [dict(c, generations=c["generations"] + ["v7x"]) for c in DEFAULT if c["name"] in ALSO_V6E]
-    return _by_key(_worker("torchtpu", ",".join(NEWEST_GENERATIONS), stdin=_lines(cases)))
+    return _exported([dict(c, generations=c["generations"] + ["v7x"]) for c in DEFAULT if c["name"] in ALSO_V6E])
 
 
 @pytest.fixture(scope="module")
 def torchtpu_other_results():
-    cases = [c for c in DEFAULT if c["name"] not in ALSO_V6E]
-    return _by_key(_worker("torchtpu", ",".join(NEWEST_GENERATIONS), stdin=_lines(cases)))
+    return _exported([c for c in DEFAULT if c["name"] not in ALSO_V6E])
 
 
 # The decode kernel's programs (torch_splash_jax.decode: forward only): decode steps of every kind it
