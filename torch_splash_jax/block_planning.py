@@ -26,8 +26,7 @@ from .kernel_limits import (
     LANES,
     SMEM_STORED_TABLE_ENTRIES,
     SMEM_TABLE_ENTRIES,
-    VMEM_BUDGET,
-    fits_vmem,
+    Footprint,
     lane_padded,
     round_up,
 )
@@ -105,22 +104,24 @@ def _fit_compute(block: int, compute: int) -> int:
     return compute if block % compute == 0 else math.gcd(block, compute)
 
 
-def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int, stored: bool) -> None:
+def _fit_vmem(blocks: dict, user: BlockSizes, footprint: Footprint) -> None:
     """Halve planned blocks of a TPU kernel until it fits VMEM; explicit blocks that do not fit
     are the caller's to change."""
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
-        while not fits_vmem(blocks[q_name], blocks[kv_name], head_dim, kernel, stored):
+        while not footprint.fits(blocks[q_name], blocks[kv_name], kernel):
             planned = [n for n in (kv_name, q_name) if getattr(user, n) is None and blocks[n] > LANES]
             if kernel == "dq" and blocks[q_name] > DQ_MAX_Q_BLOCK:
                 planned = [n for n in planned if n == q_name]
             if not planned:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name))
                 raise SplashConstraintError(
-                    f"{given}: the {kernel} kernel's blocks at head_dim {head_dim} do not fit the "
-                    f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most 2**28 (2**27 for the dq "
-                    f"and dkv kernels of a mask read from stored blocks), and the dq kernel's q block at most "
+                    f"{given}: the {kernel} kernel's blocks at head_dim {footprint.head_dim} do not fit the "
+                    f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most "
+                    f"2**{footprint.budget(kernel).bit_length() - 1} here (2**28, halved for a mask read from "
+                    "stored blocks, for float32, and for the forward with segment ids below head_dim 128), "
+                    f"and the dq kernel's q block at most "
                     f"{DQ_MAX_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. 2048 x 1024 at head_dim 128, "
                     "1024 x 1024 at 256). Use smaller blocks, or leave them None to have them planned."
                 )
@@ -128,9 +129,11 @@ def _fit_vmem(blocks: dict, user: BlockSizes, head_dim: int, stored: bool) -> No
             blocks[name] //= 2
 
 
-def _fit_fused_compute(blocks: dict, user: BlockSizes, head_dim: int) -> None:
+def _fit_fused_compute(blocks: dict, user: BlockSizes, footprint: Footprint) -> None:
     """Halve the fused dkv kernel's planned compute (or else q) block until it fits VMEM."""
-    while blocks["block_q_dkv"] * blocks["block_kv_dkv_compute"] * max(head_dim, LANES) > VMEM_BUDGET // 2:
+    head_dim = footprint.head_dim
+    budget = footprint.budget("fused")
+    while blocks["block_q_dkv"] * blocks["block_kv_dkv_compute"] * max(head_dim, LANES) > budget:
         compute, q_block = blocks["block_kv_dkv_compute"] // 2, blocks["block_q_dkv"] // 2
         halved = {}
         if user.block_kv_dkv_compute is None and compute % LANES == 0 and blocks["block_kv_dkv"] % compute == 0:
@@ -143,7 +146,8 @@ def _fit_fused_compute(blocks: dict, user: BlockSizes, head_dim: int) -> None:
             ]
             raise SplashConstraintError(
                 f"{', '.join(given) or 'the planned blocks'} with the fused backward: its dkv kernel also holds dq, "
-                f"so block_q_dkv x block_kv_dkv_compute x max(head_dim, 128) must be at most 2**27 to fit the TPU's "
+                f"so block_q_dkv x block_kv_dkv_compute x max(head_dim, 128) must be at most "
+                f"2**{budget.bit_length() - 1} to fit the TPU's "
                 f"VMEM (here {blocks['block_q_dkv']} x {blocks['block_kv_dkv_compute']} at head_dim {head_dim}; "
                 "1024 x 1024 at 256 is refused). Use smaller blocks, set use_fused_bwd_kernel=False, or leave the "
                 "blocks None to have them planned."
@@ -162,7 +166,9 @@ def dq_buffer_fits(kv_blocks: int, q_len_padded: int, q_row_bytes: int, max_kv_b
     return kv_blocks <= max_kv_blocks or bytes_fit
 
 
-def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, q128: int, kv128: int, bound: tuple) -> None:
+def _fit_fused_buffer(
+    blocks: dict, user: BlockSizes, footprint: Footprint, q128: int, kv128: int, bound: tuple
+) -> None:
     """Trade the fused dkv kernel's planned q block for kv (the same VMEM) until its dq buffer
     keeps to the plan's bound (`dq_buffer_fits`; `bound`: its q_row_bytes and max_kv_blocks), down
     to q blocks of 512.
@@ -182,7 +188,7 @@ def _fit_fused_buffer(blocks: dict, user: BlockSizes, head_dim: int, q128: int, 
         if grown > kv128 or round_up(kv128, grown) - kv128 > kv128 // 8:
             return
         blocks["block_kv_dkv"], blocks["block_q_dkv"] = grown, blocks["block_q_dkv"] // 2
-        if head_dim > LANES and user.block_kv_dkv_compute is None and blocks["block_kv_dkv_compute"] > LANES:
+        if footprint.head_dim > LANES and user.block_kv_dkv_compute is None and blocks["block_kv_dkv_compute"] > LANES:
             blocks["block_kv_dkv_compute"] //= 2
 
 
@@ -196,11 +202,10 @@ def _padded_lengths(blocks: dict, q128: int, kv128: int) -> tuple[int, int]:
 def _fit_smem(
     blocks: dict,
     user: BlockSizes,
-    head_dim: int,
+    footprint: Footprint,
     q128: int,
     kv128: int,
     table_heads: int,
-    stored: bool,
     grow: bool = True,
 ) -> None:
     """Grow planned blocks of a TPU kernel until its block tables fit SMEM, to at most half the VMEM
@@ -211,6 +216,7 @@ def _fit_smem(
     for kernel, q_name, kv_name in _KERNEL_BLOCKS:
         if q_name not in blocks:
             continue
+        stored = footprint.stored
         limit = SMEM_STORED_TABLE_ENTRIES if stored else SMEM_TABLE_ENTRIES
         while True:
             q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
@@ -224,7 +230,7 @@ def _fit_smem(
                 if grow
                 and getattr(user, n) is None
                 and blocks[n] < (q128 if n == q_name else kv128)
-                and fits_vmem(2 * bq, bkv, head_dim, kernel, stored)
+                and footprint.fits(2 * bq, bkv, kernel)
             ]
             if not candidates:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name) if getattr(user, n))
@@ -254,16 +260,22 @@ def plan_blocks(
     stored: bool = False,
     sequence_sharded: bool = False,
     q_row_bytes: int = 0,
+    itemsize: int = 2,
+    segment_ids: bool = False,
+    soft_cap: bool = False,
 ) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function.
     q_row_bytes: q's bytes per query position (batch x heads x head_dim x itemsize), which sizes the
-    fused backward's dq buffer (0: bound it by its count of q's alone)."""
+    fused backward's dq buffer (0: bound it by its count of q's alone); itemsize: of q, k and v as the
+    kernels hold them; segment_ids, soft_cap: whether the call has them (these set the VMEM rule's
+    budget: `kernel_limits.Footprint`)."""
     check_block_sizes(user)
     fused = user.use_fused_bwd_kernel
     if fused is None and (user.block_q_dq or user.block_kv_dq):
         fused = False  # the caller asked for dq blocks, so they want the separate dq kernel
     target = _target(platform, sequence_sharded)
-    args = (q_len, kv_len, user, platform, target, head_dim, table_heads, stored, q_row_bytes)
+    footprint = Footprint(head_dim, stored, itemsize, segment_ids, soft_cap)
+    args = (q_len, kv_len, user, platform, target, footprint, table_heads, q_row_bytes)
     if fused is not None:
         return _planned(*args, fused=fused)
     limit = target.fused_max_kv_blocks
@@ -286,9 +298,8 @@ def _planned(
     user: BlockSizes,
     platform: str,
     target: _Target,
-    head_dim: int,
+    footprint: Footprint,
     table_heads: int,
-    stored: bool,
     q_row_bytes: int,
     fused: bool,
 ) -> tuple[int, int, tuple]:
@@ -303,22 +314,22 @@ def _planned(
     blocks = {n: block(n, q128) for n in q_names}
     blocks.update({n: block(n, kv128) for n in kv_names})
     if platform == "tpu":
-        _fit_vmem(blocks, user, head_dim, stored)
-        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads, stored)
+        _fit_vmem(blocks, user, footprint)
+        _fit_smem(blocks, user, footprint, q128, kv128, table_heads)
     for b, c in (("block_kv", "block_kv_compute"), ("block_kv_dkv", "block_kv_dkv_compute")):
         given = getattr(user, c)
         blocks[c] = _fit_compute(blocks[b], target.compute if given is None else given)
     if platform == "tpu" and fused:
-        _fit_fused_compute(blocks, user, head_dim)
+        _fit_fused_compute(blocks, user, footprint)
         # A mask read from stored blocks is not traded: its int32 mask blocks beside the traded
         # kernel's longer dk and dv accumulators overran the scoped VMEM (FlexAttention's document
         # mask at 16K tokens, 16 heads, 512 x 2048 in a torch_xla step: 16.29M of 16M, v5e, libtpu
         # 0.0.21). Where its dq buffer does not fit, the separate dq kernel runs.
-        if target.fused_max_kv_blocks and not stored:
+        if target.fused_max_kv_blocks and not footprint.stored:
             bound = (q_row_bytes, target.fused_max_kv_blocks)
-            _fit_fused_buffer(blocks, user, head_dim, q128, kv128, bound)
+            _fit_fused_buffer(blocks, user, footprint, q128, kv128, bound)
     if platform == "tpu" and fused:  # the fused kernel's blocks changed after the tables were fitted
-        _fit_smem(blocks, user, head_dim, q128, kv128, table_heads, stored, grow=False)
+        _fit_smem(blocks, user, footprint, q128, kv128, table_heads, grow=False)
     q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
     blocks["use_fused_bwd_kernel"] = fused
     for layout in ("q_layout", "k_layout", "v_layout"):

@@ -22,6 +22,7 @@ import numpy as np
 from . import decode_kernel
 from . import masks as _masks
 from .errors import SplashConstraintError
+from .kernel_limits import compute_dtype, kernel_itemsize
 
 # Rows (query heads per kv head x query tokens) up to which a call takes the decode kernel by
 # default. Set by the estimator (docs/benchmarks.md, "Decoding", chunked prefill: `./dev.sh
@@ -116,7 +117,7 @@ def refusal(mask, *, sharded: bool, block_sizes, dtype: str) -> str | None:
         )
     if any(isinstance(leaf, _masks.MultiHeadMask) for leaf in _masks.leaves(mask)):
         return "its mask holds a per-head mask"
-    if dtype not in ("float32", "bfloat16"):
+    if compute_dtype(dtype) not in ("float32", "bfloat16"):
         return f"dtype {dtype}"
     return None
 
@@ -146,7 +147,7 @@ def decode_plan(
     """The decode kernel's plan of a call (`refusal` must have said None)."""
     rows = (num_q_heads // num_kv_heads) * q_len
     block_rows = rows if rows <= MAX_BLOCK_ROWS else MAX_BLOCK_ROWS
-    itemsize = {"float32": 4}.get(dtype, 2)
+    itemsize = kernel_itemsize(dtype)
 
     def keys_for(heads: int) -> int:  # the most keys per head within the budget, in whole lanes
         fits = [
@@ -277,7 +278,8 @@ class DecodeProgram:
         TRACES["decode"] += 1
         p = self.plan
         named = dict(zip(self.signature(), arrays, strict=True))
-        q, k, v = named["q"], named["k"], named["v"]
+        dtype = named["q"].dtype
+        q, k, v = (named[n].astype(compute_dtype(p.dtype)) for n in ("q", "k", "v"))  # float16 runs in float32
         q_ids = kv_ids = None
         row_q_ids = row_kv_ids = None
         if p.has_segment_ids:
@@ -318,4 +320,4 @@ class DecodeProgram:
         denominator = total + (jnp.exp(sink_rows - top) if p.has_sinks else 0.0)
         out = jnp.where(seen[..., None], out / jnp.where(seen, denominator, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-        return self._unrows(out).astype(q.dtype), self._unrows(lse)
+        return self._unrows(out).astype(dtype), self._unrows(lse)

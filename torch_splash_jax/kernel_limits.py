@@ -7,6 +7,8 @@ Pure Python: the numbers block planning (`block_planning`) and the checks of exp
 
 from __future__ import annotations
 
+import dataclasses
+
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
 
@@ -41,22 +43,68 @@ DQ_MAX_Q_BLOCK = 1024
 FUSED_DQ_BUFFER_BYTES = 2 << 30
 
 
-def fits_vmem(q_block: int, kv_block: int, head_dim: int, kernel: str = "forward", stored: bool = False) -> bool:
-    """Whether a kernel's (q, kv) blocks fit the TPU's VMEM at head_dim (`kernel`: "forward", "dq"
-    or "dkv"; `stored`: a mask read from stored blocks)."""
-    # The dq kernel's VMEM also grows with the sequence: at 512K tokens, head_dim 128, its 2048 x
-    # 1024 blocks overran the scoped VMEM (16.88M of 16M) where 1024 x 2048 compiled; at 128K
-    # both did. Its q block stays at most 1024. With a mask read from stored blocks the backward
-    # kernels also hold the mask's blocks: at 128K tokens, 4 heads, a per-head mask, the dq kernel
-    # at 1024 x 2048 overran the scoped VMEM (19.22M of 16M, v5e, libtpu 0.0.21) and so did the dkv
-    # kernel at 1024 x 2048 with libtpu 0.0.52, where both compiled at 1024 x 1024; and so does the
-    # forward, whose mask blocks are int32 on TPU (two buffers of 8 MiB at 2048 x 1024): with
-    # FlexAttention's document mask at 8K tokens, 16 heads, D=128, 2048 x 1024 overran it (17.91M
-    # of 16M, v5e, libtpu 0.0.21). With stored blocks every kernel keeps to half the budget.
-    if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
-        return False
-    budget = VMEM_BUDGET // 2 if stored else VMEM_BUDGET
-    return q_block * kv_block * max(head_dim, LANES) <= budget
+# float16 has no TPU kernel (Mosaic refuses it: "Unsupported type in mosaic dialect: 'f16'"): the
+# programs compute it in float32, as torch_splash computes torch.float16.
+COMPUTED_AS = {"float16": "float32"}
+_ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def compute_dtype(dtype: str) -> str:
+    """The dtype the kernels run a call of `dtype` in."""
+    return COMPUTED_AS.get(dtype, dtype)
+
+
+def kernel_itemsize(dtype: str) -> int:
+    """Bytes per element of q, k and v as the kernels hold them."""
+    return _ITEMSIZE.get(compute_dtype(dtype), 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """What sets a kernel's VMEM beside its blocks: head_dim, a mask read from stored blocks, the
+    itemsize of q, k and v as the kernels hold them, segment ids."""
+
+    head_dim: int = LANES
+    stored: bool = False
+    itemsize: int = 2
+    segment_ids: bool = False
+    soft_cap: bool = False
+
+    def budget(self, kernel: str = "forward") -> int:
+        """The budget of the rule `fits` applies: VMEM_BUDGET, halved for a mask read from stored
+        blocks, for 4-byte inputs, and for the forward with segment ids below head_dim 128.
+        kernel="fused": the fused dkv kernel's q block x kv compute block x max(head_dim, 128), which
+        also holds dq: half the budget, and half again with a soft cap above head_dim 128 (at head_dim
+        256, 1024 x 1024 blocks and compute blocks of 512 overran the scoped VMEM with 128 folded heads
+        (16.41M of 16M) where compute blocks of 256 compiled, and without the soft cap 512 did).
+        float32 was measured (v5e, libtpu 0.0.21): the forward at 2048 x 1024, head_dim 128,
+        overran the scoped VMEM at 32K tokens (16.68M of 16M) where 1024 x 1024 compiled, and at
+        head_dim 256 2048 x 512 overran where 1024 x 512 compiled. Segment ids: the forward at
+        2048 x 1024, head_dim 64, overran it at 64K tokens (16.89M with 14 heads, 16.83M with 12)
+        and 128K (16.33M), where head_dim 128 and 256 compiled."""
+        budget = VMEM_BUDGET // (2 if self.itemsize > 2 else 1)
+        if kernel == "fused":
+            return budget // (4 if self.soft_cap and self.head_dim > LANES else 2)
+        if self.stored:
+            budget //= 2
+        if kernel == "forward" and self.segment_ids and self.head_dim < LANES:
+            budget //= 2
+        return budget
+
+    def fits(self, q_block: int, kv_block: int, kernel: str = "forward") -> bool:
+        """Whether a kernel's (q, kv) blocks fit the TPU's VMEM (`kernel`: "forward", "dq" or "dkv")."""
+        # The dq kernel's VMEM also grows with the sequence: at 512K tokens, head_dim 128, its 2048 x
+        # 1024 blocks overran the scoped VMEM (16.88M of 16M) where 1024 x 2048 compiled; at 128K
+        # both did. Its q block stays at most 1024. With a mask read from stored blocks the backward
+        # kernels also hold the mask's blocks: at 128K tokens, 4 heads, a per-head mask, the dq kernel
+        # at 1024 x 2048 overran the scoped VMEM (19.22M of 16M, v5e, libtpu 0.0.21) and so did the dkv
+        # kernel at 1024 x 2048 with libtpu 0.0.52, where both compiled at 1024 x 1024; and so does the
+        # forward, whose mask blocks are int32 on TPU (two buffers of 8 MiB at 2048 x 1024): with
+        # FlexAttention's document mask at 8K tokens, 16 heads, D=128, 2048 x 1024 overran it (17.91M
+        # of 16M, v5e, libtpu 0.0.21). With stored blocks every kernel keeps to half the budget.
+        if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
+            return False
+        return q_block * kv_block * max(self.head_dim, LANES) <= self.budget(kernel)
 
 
 def round_up(x: int, m: int) -> int:

@@ -16,11 +16,9 @@ import numpy as np
 from .block_planning import PLATFORMS, plan_blocks
 from .block_sizes import BlockSizes
 from .errors import SplashConstraintError, SplashDtypeError
-from .kernel_limits import LANES
+from .kernel_limits import LANES, kernel_itemsize
 from .masks import FullMask, MultiHeadMask, shared_structured_mask
 from .sequence_layout import device_lengths, layout_positions
-
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +82,26 @@ class Plan:
         return np.concatenate([held, pad], axis=1)
 
     @property
+    def batch_in_heads(self) -> bool:
+        """Whether the kernels see the batch as more heads, (B * H, L, D), in one call: where every
+        head shares one mask and no segment ids (which are per batch element) are given. The
+        other plans run one kernel call per batch element, in a loop. Never a vmap over the batch:
+        JAX's kernels (0.7 to 0.11) keep their accumulators as outputs with a constant block index,
+        and a vmap gives those the batch axis, in VMEM: the forward at B=4, 4K tokens, 16 heads,
+        D=128 overran v5e's 16 MiB of scoped VMEM (16.18M) with the blocks that fit at B=1."""
+        return not self.has_segment_ids and not isinstance(self.mask, MultiHeadMask)
+
+    @property
+    def kernel_heads(self) -> tuple[int, int]:
+        """(query heads, kv heads) one kernel call sees."""
+        fold = self.batch if self.batch_in_heads else 1
+        return self.num_q_heads * fold, self.num_kv_heads * fold
+
+    @property
     def is_mqa(self) -> bool:
-        return self.num_kv_heads == 1 and self.num_q_heads > 1
+        """Whether the kernels are the MQA ones (k and v without a head axis): one kv head per call."""
+        q_heads, kv_heads = self.kernel_heads
+        return kv_heads == 1 and q_heads > 1
 
     def block_sizes(self) -> dict:
         return dict(self.blocks)
@@ -146,9 +162,21 @@ def plan(
     # Stored blocks keep the count bound: with them the fused dkv kernel at 512 x 2048 ran out of
     # VMEM in a 32K-token torch_xla step (FlexAttention's document mask, 16 heads, v5e, libtpu
     # 0.0.21), where the count bound runs the dq kernel.
-    q_row_bytes = 0 if stored else batch * num_q_heads * head_dim * _ITEMSIZE.get(dtype, 4)
+    itemsize = kernel_itemsize(dtype)
+    q_row_bytes = 0 if stored else batch * num_q_heads * head_dim * itemsize
     q_pad, kv_pad, blocks = plan_blocks(
-        q_len, kv_len, block_sizes, platform, max(head_dim, head_dim_v), table_heads, stored, q_shards > 1, q_row_bytes
+        q_len,
+        kv_len,
+        block_sizes,
+        platform,
+        max(head_dim, head_dim_v),
+        table_heads,
+        stored,
+        q_shards > 1,
+        q_row_bytes,
+        itemsize,
+        has_segment_ids,
+        soft_cap is not None,
     )
     return Plan(
         batch=batch,

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import compat, policy
+from .kernel_limits import compute_dtype
 from .kernel_tables import KernelTables
 from .plan import Plan
 
@@ -69,8 +70,15 @@ class Program(KernelTables):
     infer out, the backward (dq, dk, dv[, d_sinks]).
     """
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, batch_in_heads: bool | None = None):
+        """batch_in_heads: the plan's choice (`Plan.batch_in_heads`) unless given, as the real-chip
+        check gives it to time both ways; MQA plans keep theirs (their kernel depends on it)."""
         super().__init__(plan)
+        self.batch_in_heads = plan.batch_in_heads if batch_in_heads is None else batch_in_heads
+        if self.batch_in_heads != plan.batch_in_heads and plan.num_kv_heads == 1:
+            raise ValueError("an MQA plan's kernel is built for its own batch layout")
+        if self.batch_in_heads and not plan.batch_in_heads:
+            raise ValueError("this plan's masks or segment ids differ between batch elements")
         # Rows with no visible key need zeroing; without segment ids, most masks cannot have any.
         # A ring step's rows may see none of the keys it holds, but its backward is given the
         # merged output and logsumexp: only rows that see no key in the whole call matter there
@@ -90,7 +98,7 @@ class Program(KernelTables):
         what the mask decides about rows and pairs, and its tables' shapes and dtypes."""
         fields = tuple(getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.name != "mask")
         tables = tuple((t.shape, t.dtype.str) for t in self._table_arrays)
-        return fields, self.call_rows_may_be_empty, self.no_pairs, tables
+        return fields, self.call_rows_may_be_empty, self.no_pairs, tables, self.batch_in_heads
 
     def _pad(self, x, axis: int, length: int):
         extra = length - x.shape[axis]
@@ -100,23 +108,39 @@ class Program(KernelTables):
         widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
-    def _kernel_inputs(self, q, k, v):
+    def _kernel_inputs(self, q, k, v, ids, sinks):
+        """The kernel calls' inputs, ((q, k, v, segment ids), sinks): q, k, v scaled and padded, with
+        a leading axis of calls (`_each_call`): one call of B * H heads where the plan puts the
+        batch in its heads, else one call per batch element; the MQA kernel's k and v without a
+        head axis; the sinks every call shares, one per head it sees."""
         # The kernel applies no softmax scale. Scaling k rather than q gives the same logits, and
         # the kernel's dq is then already the caller's; with GQA k is also the smaller tensor.
         p = self.plan
+        calls = 1 if self.batch_in_heads else q.shape[0]
+        q, k, v = (x.astype(compute_dtype(p.dtype)) for x in (q, k, v))  # float16 runs in float32
         k = scaled(k, p.scale)
         q = self._pad(q, 2, p.q_len_padded)
+        k = self._pad(k, 2, p.kv_len_padded)
+        v = self._pad(v, 2, p.kv_len_padded)
+        q, k, v = (x.reshape((calls, -1) + x.shape[2:]) for x in (q, k, v))
         if p.is_mqa:  # the MQA kernel takes k and v without a head axis
             k, v = k[:, 0], v[:, 0]
-        k = self._pad(k, k.ndim - 2, p.kv_len_padded)
-        v = self._pad(v, v.ndim - 2, p.kv_len_padded)
-        return q, k, v
+        if sinks is not None and self.batch_in_heads:
+            sinks = jnp.tile(sinks, q.shape[1] // sinks.shape[0])
+        return (q, k, v, self._segment_ids(ids)), sinks
 
-    def _attend(self, kernel, q, k, v, segment_ids, sinks=None):
-        # vmapped over batch; sinks, closed over, are shared by every batch element
-        return jax.vmap(lambda q, k, v, ids: compat.call_splash_kernel(kernel, q, k, v, ids, sinks))(
-            q, k, v, segment_ids
-        )
+    @staticmethod
+    def _each_call(fn, per_call):
+        """fn over the leading (calls) axis of the arrays in `per_call`, its results stacked along it:
+        a single call directly, several in a loop (`lax.map`), never a vmap (`Plan.batch_in_heads`)."""
+        if per_call[0].shape[0] == 1:
+            return jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], per_call)))
+        return jax.lax.map(lambda xs: fn(*xs), per_call)
+
+    @staticmethod
+    def _per_batch(x, batch: int):
+        """A result of the kernel calls, (calls, heads the call sees, ...), as (B, H, ...)."""
+        return x.reshape((batch, -1) + x.shape[2:])
 
     def signature(self, kind: str) -> tuple[str, ...]:
         """The names of the arrays `kind` ("forward", "infer" or "backward") takes, in order."""
@@ -158,16 +182,20 @@ class Program(KernelTables):
             kv=self._pad(kv_ids.astype(jnp.int32), 1, self.plan.kv_len_padded),
         )
 
-    def _vjp(self, q, k, v, ids, sinks, tables):
-        """The kernel's output, logsumexp, vjp leaves and tree, and the kernel inputs."""
-        q, k, v = self._kernel_inputs(q, k, v)
-        segment_ids = self._segment_ids(ids)
-        kernel, table_arrays = self._kernel_for(tables)
+    def _call_vjp(self, kernel, table_arrays, sinks, q, k, v, segment_ids):
+        """One kernel call's output, logsumexp, vjp leaves and tree, and the arrays its residuals may be."""
         primals = (q, k, v) if sinks is None else (q, k, v, sinks)
-        out, vjp = jax.vjp(lambda q, k, v, *s: self._attend(kernel, q, k, v, segment_ids, *s), *primals)
+        out, vjp = jax.vjp(lambda q, k, v, *s: compat.call_splash_kernel(kernel, q, k, v, segment_ids, *s), *primals)
         leaves, tree = jax.tree.flatten(vjp)
         lse = compat.logsumexp_residual(leaves, out)
         return out, lse, leaves, tree, self._residual_sources(q, k, v, sinks, segment_ids) + table_arrays
+
+    def _forward(self, q, k, v, ids, sinks, tables):
+        """The kernels' output and logsumexp, (B, Hq, Lq padded[, Dv])."""
+        per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
+        kernel, table_arrays = self._kernel_for(tables)
+        out, lse = self._each_call(lambda *a: self._call_vjp(kernel, table_arrays, sinks, *a)[:2], per_call)
+        return self._per_batch(out, q.shape[0]), self._per_batch(lse, q.shape[0])
 
     def _finish(self, out, lse):
         """Rows with no visible key give 0; padded query rows are dropped."""
@@ -186,19 +214,22 @@ class Program(KernelTables):
         q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)
-        out, lse, *_ = self._vjp(q, k, v, ids, sinks, tables)
-        return self._finish(out, lse), lse
+        out, lse = self._forward(q, k, v, ids, sinks, tables)
+        return self._finish(out, lse).astype(q.dtype), lse
 
     def _residual_layout(self, forward_arrays) -> tuple[list, object]:
-        """Where each of the kernel's vjp residuals comes from (a kernel input, the output, the
-        logsumexp, or a constant block table, concrete), and the vjp's tree: learnt by tracing the
-        forward abstractly, once (a plan fixes every shape)."""
+        """Where each of a kernel call's vjp residuals comes from (one of its inputs, its output,
+        its logsumexp, or a constant block table, concrete), and the vjp's tree: learnt by tracing
+        the first call abstractly, once (a plan fixes every shape, and every call's are the same)."""
         if self._layout is None:
             found = []
 
             def trace(*arrays):
                 q, k, v, ids, sinks, tables, _ = self._named("forward", arrays)
-                out, lse, leaves, tree, inputs = self._vjp(q, k, v, ids, sinks, tables)
+                per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
+                kernel, table_arrays = self._kernel_for(tables)
+                first = jax.tree.map(lambda x: x[0], per_call)
+                out, lse, leaves, tree, inputs = self._call_vjp(kernel, table_arrays, sinks, *first)
 
                 def source(leaf):
                     for i, x in enumerate(inputs):
@@ -222,10 +253,11 @@ class Program(KernelTables):
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
         if self.rows_may_be_empty:
-            out, lse, *_ = self._vjp(q, k, v, ids, sinks, tables)
-            return self._finish(out, lse)
+            return self._finish(*self._forward(q, k, v, ids, sinks, tables)).astype(q.dtype)
         kernel, _ = self._kernel_for(tables)
-        return self._attend(kernel, *self._kernel_inputs(q, k, v), None, sinks)[:, :, : self.plan.q_len]
+        per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
+        out = self._each_call(lambda *a: compat.call_splash_kernel(kernel, *a, sinks), per_call)
+        return self._per_batch(out, q.shape[0])[:, :, : self.plan.q_len].astype(q.dtype)
 
     def backward_body(self, *arrays):
         """What `backward` jits (a ring traces it into its steps' programs)."""
@@ -237,9 +269,8 @@ class Program(KernelTables):
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
         sources, tree = self._residual_layout(arrays[: len(self.signature("forward"))])
-        q, k, v = self._kernel_inputs(q, k, v)
-        segment_ids = self._segment_ids(ids)
-        inputs = self._residual_sources(q, k, v, sinks, segment_ids) + self._kernel_for(tables)[1]
+        per_call, call_sinks = self._kernel_inputs(q, k, v, ids, sinks)
+        table_arrays = self._kernel_for(tables)[1]
         # The caller's out is the kernel's, zeroed where a row sees no key; the kernel uses it only
         # in rowsum(out * d_out), and d_out is zeroed on those rows too.
         if self.call_rows_may_be_empty:
@@ -248,21 +279,32 @@ class Program(KernelTables):
             # there, and inf * 0 is NaN whatever d_out is. With +inf, p is 0 on those rows.
             has_keys = row_has_keys(lse)[..., None]
             lse = jnp.where(has_keys[..., 0], lse, jnp.inf)
-        found = {"out": self._pad(out, 2, p.q_len_padded), "lse": lse}
-        leaves = [
-            inputs[value] if kind == "input" else found[kind] if kind in found else value for kind, value in sources
-        ]
+        out, d_out = (x.astype(compute_dtype(p.dtype)) for x in (out, d_out))
         d_out = self._pad(d_out, 2, p.q_len_padded)
         if self.call_rows_may_be_empty:
             d_out = jnp.where(has_keys, d_out, 0).astype(d_out.dtype)
-        dq, dk, dv, *d_sinks = jax.tree.unflatten(tree, leaves)(d_out)
+        calls = per_call[0].shape[0]
+        out = self._pad(out, 2, p.q_len_padded)
+        out, lse, d_out = (x.reshape((calls, -1) + x.shape[2:]) for x in (out, lse, d_out))
+
+        def one_call(q, k, v, segment_ids, out, lse, d_out):
+            inputs = self._residual_sources(q, k, v, call_sinks, segment_ids) + table_arrays
+            found = {"out": out, "lse": lse}
+            leaves = [
+                inputs[value] if kind == "input" else found[kind] if kind in found else value for kind, value in sources
+            ]
+            return jax.tree.unflatten(tree, leaves)(d_out)
+
+        dq, dk, dv, *d_sinks = self._each_call(one_call, (*per_call, out, lse, d_out))
+        batch = q.shape[0]
+        dq = self._per_batch(dq, batch)
+        dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))  # the MQA kernel's have no head axis
         if self.call_rows_may_be_empty:
             dq = jnp.where(has_keys, dq, 0).astype(dq.dtype)
-        dq = dq[:, :, : p.q_len]
-        dk = scaled(dk[..., : p.kv_len, :], p.scale)
-        dv = dv[..., : p.kv_len, :]
-        if p.is_mqa:
-            dk, dv = dk[:, None], dv[:, None]
+        dq = dq[:, :, : p.q_len].astype(q.dtype)
+        dk = scaled(dk[..., : p.kv_len, :], p.scale).astype(k.dtype)
+        dv = dv[..., : p.kv_len, :].astype(v.dtype)
+        d_sinks = [d.reshape(-1, sinks.shape[0]).sum(axis=0) for d in d_sinks]  # every call's heads' share
         return (dq, dk, dv, *d_sinks)
 
 
