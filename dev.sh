@@ -30,6 +30,8 @@
 #   ./dev.sh lint          ruff check and ruff format --check (CI runs it before the tests)
 #   ./dev.sh hf-finetune   runs examples/hf_finetune.py (tiny Llama, splash vs sdpa loss curves + plot)
 #   ./dev.sh fit-llama     runs examples/fit_llama.py (does an HF Llama step fit on a v5e chip? --quick too)
+#   ./dev.sh tpu-check     python -m torch_splash_jax.tpu_check: the real-chip check on a TPU host (JAX only;
+#                          --quick: a smoke run on the CPU)
 #   ./dev.sh lock          re-resolves locks/*.txt from pyproject.toml and locks/*.in (needs the registry)
 # Each set installs exactly from its lock file (locks/), into its own venv, rebuilt only when the
 # lock or pyproject.toml changes: .venv (the torch_xla set, Python 3.11), .venv-current (Python 3.12).
@@ -95,6 +97,7 @@ install_libtpu() {
 cmd="${1:-}"; shift || true
 case "$cmd" in
   test-current|bench-tpu-time|bench-decode) install .venv-current 3.12 locks/current-py312.txt ;;
+  tpu-check) ;;  # needs only JAX: see below
   test) install .venv 3.11 locks/xla-py311.txt; install .venv-current 3.12 locks/current-py312.txt ;;
   *) install .venv 3.11 locks/xla-py311.txt ;;
 esac
@@ -171,10 +174,16 @@ case "$cmd" in
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
   hf-finetune) exec .venv/bin/python examples/hf_finetune.py "$@" ;;
+  # The real-chip check needs only JAX: the machine's own Python where it has JAX (a TPU VM), else
+  # the torch_xla set's venv (a machine without a TPU: --quick, or --parts estimates). torch_splash
+  # goes at the end of the path, so that the machine's JAX stays first.
+  tpu-check) py=python3
+    if ! python3 -c "import jax" 2>/dev/null; then install .venv 3.11 locks/xla-py311.txt; py=.venv/bin/python; fi
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" exec "$py" -m torch_splash_jax.tpu_check "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
           "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-decode |" \
-          "bench-hf-decode |" \
+          "bench-hf-decode | tpu-check |" \
           "bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;
 esac

@@ -643,8 +643,159 @@ def _tpu_time(r: dict) -> str:
     return "\n".join(lines + tables)
 
 
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{value:+.0%}"
+
+
+def _chip_estimates(r: dict) -> dict:
+    """{(row name, program): (estimate ms at the current clock factor, measured ms)} of a tpu_check
+    results file, from the estimates the estimator's libtpu made of its programs."""
+    from torch_splash_jax.tpu_time import CLOCK_FACTOR, real_chip
+
+    factor = CLOCK_FACTOR.get(r["chip"].get("generation"), 1.0)
+    return {(m.name, m.program): (1e3 * m.estimate(factor), 1e3 * m.measured) for m in real_chip.measured_rows(r)}
+
+
+PLAN_BLOCKS = "JAX splash, the plan's blocks"
+
+
+def _tpu_check(r: dict) -> str:
+    from torch_splash_jax.tpu_check.cases import by_name, forward_flops
+
+    limits, calls = r.get("limits", {}), by_name()
+    rate = limits.get("matmul_tflop_s", 0.0) * 1e12
+    read = limits.get("hbm_read_gb_s", 0.0) * 1e9
+    passed = [f for f in r["fidelity"] if f.get("passed")]
+    worst = max((max(f["errors"].values()) for f in passed), default=float("nan"))
+    lines = [
+        f"The chip: {r['chip']['device_kind']}, its own limits measured in the same run: HBM read "
+        f"{limits.get('hbm_read_gb_s', 0):.0f} GB/s (the sum of a 1 GiB bfloat16 array), bfloat16 matmul "
+        f"{limits.get('matmul_tflop_s', 0):.0f} TFLOP/s (8192^3).",
+        "",
+        f"Fidelity: {len(passed)} of {len(r['fidelity'])} cases within {r['tolerance']:.0%} (relative max error of "
+        f"the output and every gradient against a float32 reference at `highest` precision; worst {worst:.2%}). "
+        "Every mask family, stored and per-head masks, segment ids, soft cap, sinks, GQA and MQA, head_dim 64 to "
+        "256, Dv != D, float32 and float16, lengths off the 128 grid, cross lengths, the batch as heads and one call "
+        "per batch element, the decode kernel:",
+        "",
+        "| case | kernel | dtype | worst error | |",
+        "|---|---|---|---|---|",
+    ]
+    for f in r["fidelity"]:
+        error = f"{max(f['errors'].values()):.2%}" if f.get("errors") else f.get("error", "")
+        lines.append(f"| {f['name']} | {f.get('kernel', '')} | {f.get('dtype', '')} | {error} | "
+                     f"{'ok' if f.get('passed') else 'FAILED'} |")  # fmt: skip
+    lines += [
+        "",
+        "Training calls, bfloat16, forward / forward+backward (a step) in ms. JAX's splash is "
+        "`make_splash_mha` vmapped over the batch, as MaxText runs it, at MaxText's 512 blocks; "
+        "\"the plan's blocks\" runs it at this plan's blocks (vmapped: where the batch's accumulators "
+        "overran VMEM, it did not compile). MXU: the forward's matmul flops over its time and the chip's "
+        "measured matmul rate. The estimate is `torch_splash_jax.tpu_time`'s (libtpu named below), from the "
+        "compiler's schedule without a TPU: the forward kernel, and the step's kernels (without the XLA ops around "
+        "them: below); its error is estimate / measured - 1.",
+        "",
+        "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
+        "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    estimates = _chip_estimates(r)
+
+    def estimated(name: str, *programs: str) -> tuple[str, str]:
+        found = [estimates.get((name, p)) for p in programs]
+        if not all(found):
+            return "", ""
+        return " / ".join(f"{e:.2f}" for e, _ in found), " / ".join(_pct(e / m - 1) for e, m in found)
+
+    def pair(measured: dict) -> str:
+        if not measured:
+            return ""
+        if "error" in measured:
+            return "does not compile" if "Vmem" in measured["error"] or "vmem" in measured["error"] else "error"
+        return " / ".join(f"{measured[k]:.2f}" for k in ("forward_ms", "step_ms") if k in measured)
+
+    for row in [t for t in r["timing"] if t.get("kernel") != "decode"]:
+        v, call = row["variants"], calls.get(row["name"])
+        plan, maxtext = v.get("plan", {}), v.get("JAX splash, MaxText blocks", {})
+        loop = v.get("plan, a call per batch element", {})
+        layout = f"{plan['step_ms']:.2f} vs {loop['step_ms']:.2f}" if "step_ms" in loop else ""
+        ratio = f"{plan['step_ms'] / maxtext['step_ms']:.2f}x" if "step_ms" in maxtext and "step_ms" in plan else ""
+        flops = forward_flops(call) if call else None
+        mxu = f"{flops / (plan['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate and "forward_ms" in plan else ""
+        shown, errors = estimated(row["name"], "forward", "step")
+        lines.append(
+            f"| {row['name']} | {pair(plan)} | {layout} | {pair(maxtext)} | {ratio} | "
+            f"{pair(v.get(PLAN_BLOCKS, {}))} | {pair(v.get('XLA dense', {}))} | {mxu} | "
+            f"{shown} | {errors} |"
+        )
+    lines += [
+        "",
+        "Decode (one token against a cache) and chunked prefill (B=1, against a 32K cache), ms. The HBM floor "
+        "reads k and v once at the chip's measured rate; paged attention and ragged paged attention are JAX's "
+        "kernels on the same cache as pages of 128 tokens (32 and 16 pages a block; ragged: 64 MiB of VMEM); "
+        "the splash forward is the same call through the splash kernels.",
+        "",
+        "| call | decode kernel | / HBM floor | paged attention | ragged paged attention | XLA dense | splash forward "
+        "| estimate | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in [t for t in r["timing"] if t.get("kernel") == "decode"]:
+        v, call = row["variants"], calls.get(row["name"])
+        plan = v.get("plan", {}).get("forward_ms")
+        floor = None
+        if call and read:
+            floor = call.batch * call.kv_heads * call.kv_len * (call.head_dim + call.dv) * 2 / read * 1e3
+        guess, error = estimated(row["name"], "decode")
+
+        def ms(name, v=v):
+            return f"{v[name]['forward_ms']:.3f}" if "forward_ms" in v.get(name, {}) else ""
+
+        lines.append(
+            f"| {row['name']} | {ms('plan')} | {f'{plan / floor:.2f}x' if plan and floor else ''} | "
+            f"{ms('paged attention')} | {ms('ragged paged attention')} | {ms('XLA dense')} | {ms('splash forward')} | "
+            f"{guess} | {error} |"
+        )
+    lines += _real_chip_calibration(r)
+    lines += [f"- {note}" for note in r.get("notes", [])]
+    return "\n".join(lines)
+
+
+def _real_chip_calibration(r: dict) -> list[str]:
+    from torch_splash_jax.tpu_time import CLOCK_FACTOR, ESTIMATOR_LIBTPU, real_chip
+
+    rows = real_chip.measured_rows(r)
+    if not rows:
+        return []
+    generation = r["chip"].get("generation")
+    factor = CLOCK_FACTOR.get(generation, 1.0)
+
+    def spread(program, with_rest=False):
+        errs = real_chip.errors(rows, factor, program, with_rest)
+        return f"median {_pct(sorted(errs)[len(errs) // 2])}, {min(errs):+.0%} to {max(errs):+.0%}"
+
+    return [
+        "",
+        f"The estimates: libtpu {ESTIMATOR_LIBTPU}'s schedules (the estimator's), at {generation}'s clock factor "
+        f"{factor:.4f}, which these forwards fit (torch_splash_jax.tpu_time.real_chip: tokamax measured no v5e "
+        f"attention; the fit gives {real_chip.fitted_factor(rows):.4f}). The forward kernel against the measured "
+        f"forward: {spread('forward')}; the step's kernels against the measured step (which also runs the XLA ops "
+        f"around them): {spread('step')}; adding XLA's own estimate of those ops: {spread('step', True)}, so XLA's "
+        f"estimate overshoots them. Decode and prefill, bound by HBM, where the estimate adds schedule and HBM time: "
+        f"{spread('decode')}.",
+    ]
+
+
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them
 SECTIONS = {
+    "tpu_check_v5e": (
+        "The real chip: a TPU v5e, measured (tpu_check)",
+        "`python -m torch_splash_jax.tpu_check` on the TPU v5e this project borrows (JAX only there): fidelity of "
+        "every kernel and feature on the chip, then each call's time, side by side in one run with JAX's own "
+        "kernels, XLA's dense attention and the chip's own limits, and each row's estimate beside it. Wall clock "
+        "over back-to-back calls of one compiled program, the minimum of five repetitions after a warm-up; every "
+        "program is compiled before the first is timed.",
+        _tpu_check,
+    ),
     "bridge": (
         "The bridge's cost over calling the JAX kernel directly (CPU, interpret mode)",
         "torch_splash.attention against the same jitted, vmapped splash kernel called directly on the same "

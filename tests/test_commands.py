@@ -205,3 +205,31 @@ def test_an_hf_decode_step_with_splash_is_estimated_faster_than_with_sdpa():
     assert splash["calls"] == 1 and splash["attention"] < 1.5 * row["floor"], row
     cache = 2 * 8 * 8 * 4096 * 128 * 2
     assert sdpa["donated"] >= cache and splash["donated"] >= cache, row
+
+
+def test_tpu_check_runs_a_user_s_call_on_the_cpu():
+    """`./dev.sh tpu-check` (the real-chip check, JAX only) on a machine without a TPU: the user's
+    call alone (--shape/--mask, --only), its fidelity against the float32 reference with gradients,
+    its timing beside JAX's splash and XLA's dense attention, and (the torch_xla set has it) the
+    same call through torch_splash.attention on torch_xla's CPU device."""
+    out = RESULTS / "tpu_check_quick.json"
+    dev("tpu-check", "--quick", "--only", "--shape", "2,4,2,256,64", "--mask", "window:64",
+        "--parts", "limits,fidelity,timing,bridge", "--out", str(out))  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["chip"]["platform"] == "cpu" and results["limits"]["matmul_tflop_s"] > 0
+    (fidelity,) = results["fidelity"]
+    assert fidelity["passed"] and set(fidelity["errors"]) == {"out", "dq", "dk", "dv"}, fidelity
+    (row,) = results["timing"]
+    assert {"plan", "plan, a call per batch element", "JAX splash, MaxText blocks", "XLA dense"} <= set(row["variants"])
+    assert all("step_ms" in row["variants"][v] for v in ("plan", "XLA dense")), row
+    assert results.get("bridge_skipped") or results["bridge"][0]["passed"], results.get("bridge")
+
+
+@pytest.mark.slow
+def test_tpu_check_quick_mode():
+    """The whole check at small sizes (its own cases, every part but the estimates): minutes on 2 cores."""
+    out = RESULTS / "tpu_check_all_quick.json"
+    dev("tpu-check", "--quick", "--parts", "limits,fidelity,timing,bridge", "--out", str(out))
+    results = json.loads(out.read_text())
+    assert results["fidelity"] and all(f["passed"] for f in results["fidelity"]), results["fidelity"]
+    assert all("error" not in r for r in results["timing"]), results["timing"]

@@ -6,8 +6,9 @@
 - private names (a leading underscore) of JAX, torch, torch_xla, TorchTPU, transformers or tokamax
   are reached only from the compatibility modules, and no module reaches for another module's
   private names;
-- the TPU-time tooling (torch_splash_jax.tpu_time) is never imported by the runtime: not by its
-  source, and not by `import torch_splash` and attention calls (checked in a fresh process)."""
+- the tooling (torch_splash_jax.tpu_time, the TPU-time estimator; torch_splash_jax.tpu_check, the
+  real-chip check) is never imported by the runtime: not by its source, and not by `import
+  torch_splash` and attention calls (checked in a fresh process)."""
 
 import ast
 import pathlib
@@ -140,10 +141,11 @@ def test_private_names_are_reached_only_from_the_compatibility_modules():
     assert not offending, "\n".join(offending)
 
 
-TOOLING = "torch_splash_jax.tpu_time"
+# The JAX side's tooling: the TPU time estimator and the real-chip check.
+TOOLING = ("torch_splash_jax.tpu_time", "torch_splash_jax.tpu_check")
 # Tooling on the torch side, run by users on purpose (`python -m torch_splash.fit`, and the modules
-# it is split into), never by a call.
-TORCH_SIDE_TOOLING = ("torch_splash.fit", "torch_splash._fit_")
+# it is split into; the real-chip check's run through the bridge), never by a call.
+TORCH_SIDE_TOOLING = ("torch_splash.fit", "torch_splash._fit_", "torch_splash._bridge_check")
 
 
 def test_the_runtime_source_never_imports_the_tpu_time_tooling():
@@ -151,10 +153,10 @@ def test_the_runtime_source_never_imports_the_tpu_time_tooling():
     offending = [
         f"{name}:{line} imports {imported}"
         for name, tree in modules.items()
-        if not name.startswith((TOOLING, *TORCH_SIDE_TOOLING))
+        if not name.startswith((*TOOLING, *TORCH_SIDE_TOOLING))
         for imported, names, line in _imports(name, tree)
         for target in [imported, *(f"{imported}.{n}" for n in names)]
-        if target == TOOLING or target.startswith(TOOLING + ".")
+        if target in TOOLING or target.startswith(tuple(t + "." for t in TOOLING))
     ]
     assert not offending, offending
 
@@ -177,7 +179,9 @@ def test_import_and_attention_calls_load_none_of_the_tooling():
     tooling, no tokamax and not the fit check."""
     loaded = run_python("-c", _CALLS, cwd=ROOT, timeout=600)[-1]["modules"]
     assert "torch_splash_jax.splash_program" in loaded  # the calls ran the kernels
-    tooling = [m for m in loaded if m == TOOLING or m.startswith((TOOLING + ".", "tokamax", *TORCH_SIDE_TOOLING))]
+    tooling = [
+        m for m in loaded if m in TOOLING or m.startswith((*(t + "." for t in TOOLING), "tokamax", *TORCH_SIDE_TOOLING))
+    ]
     assert not tooling, tooling
 
 

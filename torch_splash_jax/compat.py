@@ -197,6 +197,27 @@ def mask_info(data_next, mask_next, block_mask, partial_mask_blocks, q_sequence)
     )
 
 
+def paged_attention():
+    """JAX's paged attention kernel (jax.experimental): q (B, Hq, D), pages (Hkv, pages, page, D),
+    lengths, page indices; `pages_per_compute_block` (the same in jax 0.7.1 to 0.12)."""
+    try:
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
+    except ImportError as error:
+        raise _moved("pallas.ops.tpu.paged_attention.paged_attention", error) from None
+    return kernel
+
+
+def ragged_paged_attention():
+    """JAX's ragged paged attention kernel (jax.experimental; vLLM's TPU kernel): queries (tokens,
+    Hq, D), kv pages (pages, page, 2 Hkv, D) with k and v interleaved along heads, kv lengths, page
+    indices, cumulative query lengths, the number of sequences (the same in jax 0.7.1 to 0.12)."""
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+    except ImportError as error:
+        raise _moved("pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention", error) from None
+    return kernel
+
+
 def tokamax_attention_modules():
     """tokamax's Mosaic TPU attention op, its vjp op and its splash kernel module (their Config
     classes take a block configuration as tokamax's caches record it; the public API picks its own)."""
