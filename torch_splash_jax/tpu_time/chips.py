@@ -36,12 +36,13 @@ CHIPS = {
     # two TensorCores per chip, each its own JAX device with half the chip's peak and bandwidth
     "v7x": Chip("v7x", "tpu7x:2x2x1", 2307e12 / 2, 7380e9 / 2, 1, 1 << 18),
 }
-# Fitted to tokamax's measured times (`./dev.sh bench-tpu-time`, docs/benchmarks.md), the only
-# fitted numbers: per generation, the clock under load, as a factor on the schedule's time at the
-# clock `Chip.clock` derives from the published peak (v5e: no measured attention entries, so 1);
-# and one stall at the end of every row of a kernel's grid, where its output is written back, the
-# same on every generation.
-CLOCK_FACTOR = {"v5p": 1.0063, "v6e": 0.9993, "v7x": 1.1613}
+# The only fitted numbers: per generation, the clock under load, as a factor on the schedule's time
+# at the clock `Chip.clock` derives from the published peak, fitted to tokamax's measured times
+# (`./dev.sh bench-tpu-time`, docs/benchmarks.md) and for v5e, where tokamax measured no attention,
+# to the real v5e's training forwards (real_chip.py, benchmarks/results/tpu_check_v5e.json); and one
+# stall at the end of every row of a kernel's grid, where its output is written back, the same on
+# every generation.
+CLOCK_FACTOR = {"v5e": 1.0191, "v5p": 1.0063, "v6e": 0.9993, "v7x": 1.1613}
 ROW_STALL = 0.75e-6
 
 
