@@ -263,3 +263,18 @@ def test_decode_on_torch_xla_s_device_in_graph(xla_device):
         *(t.to(xla_device) for t in (q, k, v)), segment_ids=tuple(i.to(xla_device) for i in ids), transport="graph"
     )
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, segment_ids=ids, dtype=torch.float64), **F32)
+
+
+def test_kernel_time_of_a_decode_shaped_call_estimates_the_decode_kernel():
+    """torch_splash.fit.kernel_time estimates what attention would run: a decode step (one token,
+    a 4K cache, no gradients) takes the decode kernel, not the splash forward, which the real v5e
+    measured 5x slower on this call (docs/benchmarks.md, "The real chip")."""
+    from torch_splash import fit
+
+    q = torch.empty(8, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(8, 8, 4096, 128, dtype=torch.bfloat16, device="meta")
+    step = fit.kernel_time(q, k, k, CausalMask(4095), generation="v5e")
+    assert [kernel.kind for kernel in step.kernels] == ["decode"]
+    splash = fit.kernel_time(q, k, k, CausalMask(4095), generation="v5e", kernel="splash", backward=False)
+    assert [kernel.kind for kernel in splash.kernels] == ["forward"]
+    assert step.kernel_seconds < splash.kernel_seconds / 2

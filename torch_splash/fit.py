@@ -55,33 +55,40 @@ __all__ = [
 ]
 
 
-def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool = True, **options):
+def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool | None = None, **options):
     """The estimated TPU device time of one `torch_splash.attention(q, k, v, mask, **options)`
     call on one device of `generation` ("v5e", "v5p", "v6e", "v7x"), from the TPU compiler's own
     schedule of the kernels it would run there, compiled here without a TPU. An estimate, not a
     measurement: `torch_splash_jax.tpu_time` says what it leaves out, and docs/benchmarks.md its
-    error against tokamax's measured TPU times.
+    error against tokamax's and the real chip's measured times.
 
-    q, k, v may be meta tensors (only their shapes and dtypes are read). With `backward`, the
-    estimate covers a training step's forward and backward kernels. Returns an Estimate:
-    `.seconds` (kernels and, at XLA's own estimate, the ops around them), `.kernels` (each
-    kernel's KernelTime), `.mxu_utilization`, `.binding_unit`.
+    q, k, v may be meta tensors (only their shapes and dtypes are read). `backward`: whether the
+    call is part of a training step (its forward and backward kernels are estimated); None (the
+    default) means a training step except for a call the decode kernel serves by default (few
+    query rows against a longer cache: `torch_splash_jax.decode`), which `attention` runs without
+    gradients, in the decode kernel. `kernel="decode"` or `"splash"` chooses as `attention` does.
+    Returns an Estimate: `.seconds` (kernels and, at XLA's own estimate, the ops around them),
+    `.kernels` (each kernel's KernelTime), `.mxu_utilization`, `.binding_unit`.
     """
     from torch_splash_jax import tpu_time
 
     from . import _checks
 
     tpu_time.chip(generation)
-    unknown = set(options) - {"scale", "segment_ids", "soft_cap", "sinks", "block_sizes"}
+    unknown = set(options) - {"scale", "segment_ids", "soft_cap", "sinks", "block_sizes", "kernel"}
     if unknown:
         raise SplashConstraintError(
             f"kernel_time: {sorted(unknown)} are not options of one device's call "
-            "(scale, segment_ids, soft_cap, sinks, block_sizes)."
+            "(scale, segment_ids, soft_cap, sinks, block_sizes, kernel)."
         )
     get = options.get
     with planned_for_tpu():  # meta tensors too: planned for TPU, never run
         call = _checks.check_call(q, k, v, mask, get("scale"), get("segment_ids"), get("soft_cap"), get("sinks"))
-    plan = _planning.splash_plan(call, get("block_sizes"), "tpu", None)
+    if backward is None:  # a training step, unless attention would take the decode kernel without gradients
+        backward = _planning.decode_plan(call, get("kernel"), get("block_sizes"), None, backward=False) is None
+    plan = _planning.decode_plan(call, get("kernel"), get("block_sizes"), None, backward)
+    if plan is None:
+        plan = _planning.splash_plan(call, get("block_sizes"), "tpu", None)
     folder = libtpu_dir(tpu_time.ESTIMATOR_LIBTPU, "TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR")
     return tpu_time.estimate_in_subprocess(plan, generation, backward, libtpu_dir=str(folder))
 
