@@ -19,6 +19,7 @@ import sys
 import hypothesis
 import hypothesis.strategies as st
 import pytest
+import tpu_sweep
 from helpers import run_python
 
 from torch_splash_jax import mosaic
@@ -393,6 +394,94 @@ def full_results():
 @pytest.mark.parametrize("case", FULL, ids=[c["name"] for c in FULL])
 def test_full_matrix_compiles_for_tpu(full_results, case, kind, generation):
     _assert_compiled(full_results, case, kind, generation)
+
+
+def _assert_compiled_or_refused(results, case, kind, generation):
+    """The sweep's rule: every program the planner makes compiles, or the call is refused at
+    planning, before any compiling, with a SplashConstraintError."""
+    refused = results.get((case["name"], "plan", None))
+    if refused is not None:
+        assert refused["error"].startswith("SplashConstraintError"), refused
+        return
+    result = results.get((case["name"], kind, generation)) or results.get((case["name"], kind, None))
+    assert result is not None, f"no result for {case['name']} {kind} {generation}"
+    assert "error" not in result, result["error"]
+    assert result["mosaic_calls"] >= 1 and result["bytes"] > 0, result
+
+
+def _sweep_triples(cases, generations=None) -> list:
+    return [
+        (case, generation, kind)
+        for case in cases
+        for generation in (generations or case["generations"])
+        for kind in case.get("kinds", ["forward"] if case.get("kernel") == "decode" else KINDS)
+    ]
+
+
+SLICE_COMPILED = _sweep_triples(tpu_sweep.SLICE)
+
+
+@pytest.fixture(scope="module")
+def slice_results():
+    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(tpu_sweep.SLICE)))
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("case,generation,kind", SLICE_COMPILED, ids=_ids(SLICE_COMPILED))
+def test_the_sweep_s_slice_compiles_for_tpu(slice_results, case, kind, generation):
+    """The representative slice of the shape sweep (tests/tpu_sweep.py) as torch_xla's graph
+    transport hands it over: batches of 16 and 32, segment ids, head_dim 64 to 256, float16, a
+    decode step; the whole sweep is under -m slow."""
+    _assert_compiled_or_refused(slice_results, case, kind, generation)
+
+
+@pytest.fixture(scope="module")
+def full_sweep_results():
+    cases = [dict(c, generations=GENERATIONS) for c in tpu_sweep.FULL]
+    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases), timeout=6 * 3600))
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+@pytest.mark.parametrize("case", tpu_sweep.FULL, ids=[c["name"] for c in tpu_sweep.FULL])
+def test_the_whole_sweep_compiles_for_tpu(full_sweep_results, case):
+    """Every family, mask, dtype, batch and length of tests/tpu_sweep.py, each of its programs for
+    v5e and v6e (hours on 2 cores)."""
+    for case_, generation, kind in _sweep_triples([case], GENERATIONS):
+        _assert_compiled_or_refused(full_sweep_results, case_, kind, generation)
+
+
+SLICE_EXPORTED = _sweep_triples(tpu_sweep.SLICE, NEWEST_GENERATIONS)
+
+
+@pytest.fixture(scope="module")
+def slice_exported_results():
+    return _exported([dict(c, generations=NEWEST_GENERATIONS) for c in tpu_sweep.SLICE])
+
+
+@pytest.mark.torchtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("case,generation,kind", SLICE_EXPORTED, ids=_ids(SLICE_EXPORTED))
+def test_the_sweep_s_slice_exported_for_torchtpu_compiles_for_tpu(slice_exported_results, case, kind, generation):
+    """The slice as TorchTPU's jax_op exports it, for v5e, v6e and v7x (the current set's libtpu)."""
+    _assert_compiled_or_refused(slice_exported_results, case, kind, generation)
+
+
+V7X_SLICE = [(c, "v7x", k) for c, g, k in SLICE_EXPORTED if g == "v7x" and c["name"] in tpu_sweep.V7X_DEFAULT]
+
+
+@pytest.fixture(scope="module")
+def v7x_slice_results():
+    cases = [dict(c, generations=["v7x"]) for c in tpu_sweep.SLICE if c["name"] in tpu_sweep.V7X_DEFAULT]
+    return _exported(cases)
+
+
+@pytest.mark.torchtpu
+@pytest.mark.parametrize("case,generation,kind", V7X_SLICE, ids=_ids(V7X_SLICE))
+def test_the_sweep_s_slice_exported_for_torchtpu_compiles_for_v7x(v7x_slice_results, case, kind, generation):
+    """Part of the slice for v7x by default (the torch_xla set has compiled all of it for v5e and v6e)."""
+    assert "v7x" in NEWEST_GENERATIONS, f"libtpu {LIBTPU_RELEASE} in {LIBTPU} knows no v7x topology"
+    _assert_compiled_or_refused(v7x_slice_results, case, kind, generation)
 
 
 @pytest.fixture(scope="module")
