@@ -117,7 +117,7 @@ def _command(tmp_path):
 def test_the_command_checks_an_unmodified_script_at_its_first_step_boundary(tmp_path):
     done = _command(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "torch_splash.fit: v5e:2x2, 1 chip: fits:" in done.stdout, done.stdout
+    assert "torch_splash.fit: v5e:2x2, 1 chip, step 1: fits:" in done.stdout, done.stdout
     assert "attention kernels, 1 call: " in done.stdout and "XLA's own estimate" in done.stdout, done.stdout
 
 
@@ -169,7 +169,7 @@ def test_an_spmd_step_with_the_sequence_sharded_compiles_for_a_slice(tmp_path):
     command = [sys.executable, "-m", "torch_splash.fit", "--topology", "v5e:2x2", str(script)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "torch_splash.fit: v5e:2x2, 4 chips: fits:" in done.stdout, done.stdout
+    assert "torch_splash.fit: v5e:2x2, 4 chips, step 1: fits:" in done.stdout, done.stdout
 
 
 def test_a_refusal_other_than_memory_is_shown_not_swallowed():

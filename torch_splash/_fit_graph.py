@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import re
 import warnings
 
 import torch
@@ -33,6 +34,14 @@ class Step:
     donors: tuple[int, ...]
     parameters: int
     donated_bytes: int
+
+
+# The HLO ops of a graph that only moves data: uploads, creation on the device, casts, copies
+_DATA_MOVES = frozenset(
+    ("parameter", "constant", "convert", "copy", "bitcast", "bitcast-convert", "reshape", "broadcast", "transpose")
+    + ("tuple", "get-tuple-element")
+)
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = .*?\b([a-z][a-z0-9-]*)\(", re.MULTILINE)
 
 
 def live_pending_tensors() -> list[torch.Tensor]:
@@ -64,6 +73,19 @@ def live_pending_tensors() -> list[torch.Tensor]:
     pending = [t for t, p in zip(tensors, _compat.needs_materialization_each(tensors)) if p] if tensors else []
     by_id = {_compat.tensor_id(t): t for t in pending}
     return [by_id[key] for key in sorted(by_id)]
+
+
+def computes(tensors: list[torch.Tensor]) -> bool:
+    """Whether a boundary with these live pending tensors computes a step: its graph reads a
+    tensor already on the device (a parameter a tensor owns, not one torch_xla made of a number or
+    a random seed) and does more than move it. A boundary that only uploads data, creates it on
+    the device (zeros, a random init) or casts and copies it there is not a step."""
+    if not tensors:
+        return False
+    owners, _ = _compat.graph_parameters(tensors)
+    if all(owner < 0 for owner in owners):
+        return False
+    return not set(_OPCODE.findall(_compat.pending_hlo_text(tensors))) <= _DATA_MOVES
 
 
 def pending_step(tensors: list[torch.Tensor] | None = None) -> Step:
