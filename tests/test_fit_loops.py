@@ -1,6 +1,7 @@
 """torch_splash.fit on the loops people write (issue #53): a first boundary that only moves data
-onto the device is not a step, and a loop that logs an index of what its boundary computed is
-checked as torch_xla runs it. The scripts run unmodified; fit compiles the step with libtpu
+onto the device is not a step, a loop that logs an index of what its boundary computed is checked
+as torch_xla runs it, and a decode loop whose first step creates its cache is checked in its steady
+state, the cache counted once. The scripts run unmodified; fit compiles the step with libtpu
 (deviceless), as in test_fit.py."""
 
 import textwrap
@@ -82,3 +83,75 @@ def test_reading_what_a_boundary_computed_is_not_the_step_reading_its_own_work_i
 
     with pytest.raises(fit.EarlyExecution, match=r"test_fit_loops.py:\d+: w\[0, 0\]\.item\(\)"):
         fit.check(reads_its_own_work, topology="v5e")
+
+
+DECODE_LOOP = """
+import sys
+import torch, torch_xla
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+import torch_splash.hf  # noqa: F401  (attn_implementation="splash")
+
+prompt = int(sys.argv[1])  # the first step's tokens: 1 to decode from the start, more for a prefill
+device = torch_xla.device()
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+model = LlamaForCausalLM(config).eval().to(device)
+model.set_attn_implementation("splash")
+cache = StaticCache(config=config, max_cache_len=512)  # its tensors are made by the first step
+ids = torch.randint(0, 128, (4, prompt)).to(device)
+position = torch.arange(prompt).to(device)
+with torch.no_grad():
+    for step in range(3):
+        logits = model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True).logits
+        ids = logits[:, -1:].argmax(-1)
+        position = torch.tensor([prompt + step], device=device)
+        torch_xla.sync()
+        print(f"step {step}: token {ids[0, 0].item()}")  # a generate loop's log
+"""
+CACHE = 2 * 4 * 2 * 512 * 32 * 4  # one layer's k and v: B=4, 2 kv heads, 512 positions, head_dim 32, float32
+
+
+def test_a_decode_loop_is_checked_in_its_steady_state_with_its_cache_counted_once(tmp_path):
+    """The first step of a generate loop from one token makes HF's StaticCache (zeros, filled in
+    place): by default fit runs it on the CPU (its log after the boundary included) and checks the
+    second, where the cache is an argument updated in place and donated. Beyond its arguments and
+    temporaries the step adds only its logits and token (under 1/16 of the 1 MiB cache), where
+    step 1 counts the cache as a new output."""
+    script = _script(tmp_path, DECODE_LOOP)
+    report = fit.run_script(script, ["1"], "v5e")
+    assert report.fits and report.step == "steady state (step 2)", report
+    # the cache, and HF's count of its tokens (a scalar, one 512-byte TPU buffer)
+    assert CACHE <= report.donated < CACHE + 4096, report
+    assert report.total < report.arguments + report.temporaries + CACHE // 16, report
+    assert "step 1 creates state that the steps after it update in place (1.0 MiB)" in str(report), report
+    first = fit.run_script(script, ["1"], "v5e", step=1)
+    assert first.donated < 4096 and first.outputs >= CACHE and first.arguments + CACHE <= report.arguments, first
+
+
+def test_a_prefill_first_step_is_checked_itself(tmp_path):
+    """A first step that prefills 16 tokens also makes the cache, but step 2 (one token) is
+    another step: fit checks step 1 and says how to check step 2."""
+    report = fit.run_script(_script(tmp_path, DECODE_LOOP), ["16"], "v5e")
+    assert report.fits and report.step == "step 1", report
+    assert "step 2 is another step" in str(report) and "--step 2 checks it" in str(report), report
+
+
+def test_steady_state_is_the_first_step_with_its_new_state_as_arguments():
+    """The decision behind the default: step 2 is step 1's steady state when it computes the same
+    outputs from step 1's inputs and the state step 1 created, which step 2 updates in place."""
+    from torch_splash._fit_graph import Step, steady_state_of
+
+    cache, token, weight = ((4, 512, 32), "torch.float32"), ((4, 1), "torch.int64"), ((64, 64), "torch.float32")
+    prompt = ((4, 16), "torch.int64")
+
+    def step(outputs, inputs, updates, fresh=()):
+        return Step(b"", (), 0, 0, outputs=outputs, inputs=tuple(sorted(inputs)), updates=updates, fresh=fresh)
+
+    first = step((None, token, cache), [weight, token], (), fresh=(2,))
+    decode = step((None, token, cache), [weight, token, cache], (2,))
+    assert steady_state_of(first, decode)
+    prefill = step((None, token, cache), [weight, prompt], (), fresh=(2,))
+    assert not steady_state_of(prefill, decode)  # another input: a prefill
+    assert not steady_state_of(first, step((None, token), [weight, token, cache], ()))  # other outputs
+    assert not steady_state_of(step((None, token, cache), [weight, token, cache], (2,)), decode)  # nothing fresh

@@ -5,19 +5,26 @@ The boundaries are torch_xla's own: `torch_xla.sync()`, `xm.mark_step()` and
 `xm.optimizer_step(...)`, replaced for the run. A boundary that only moves data onto the device
 (`_fit_graph.computes`) runs and is not a step. Steps before the one checked run for real on
 torch_xla's CPU device (with torch_splash's kernels in interpret mode): a generation loop's
-second step is its steady state, with the cache its first step filled in as an argument."""
+second step is its steady state, with the cache its first step filled in as an argument.
+
+By default (`checked_step(..., step=None)`) the first step is checked, unless it creates state
+that the steps after it update in place (a KV cache, an optimizer's moments: `Step.fresh`): then
+the script runs again, its first step for real, and its second step is checked if it is the first
+again with that state as its arguments (`_fit_graph.steady_state_of`). The first step's TPU graph
+cannot run here (its Mosaic kernels need a TPU), hence the second run."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import runpy
 import sys
 
 from torch_splash_jax import SplashConstraintError
 
 from . import _planning
-from ._fit_graph import Step, computes, live_pending_tensors, pending_step
+from ._fit_graph import Step, computes, live_pending_tensors, pending_step, steady_state_of
 from ._fit_watch import building_one_step, watching_executions
 
 
@@ -130,11 +137,35 @@ def run_to_step(script: str, script_args: list[str], step: int = 1) -> Taken:
 
 
 def checked_step(script: str, script_args: list[str], step: int | None = None) -> tuple[Taken, str, list[str]]:
-    """The step fit checks in `script`: the `step`-th (by default the first), with its label for
-    the report and notes on how it was chosen."""
-    step = step or 1
-    taken = run_to_step(script, script_args, step)
-    return taken, f"step {step}", _moves(taken, step)
+    """The step fit checks in `script`: the `step`-th, or by default the first or the loop's steady
+    state (module docstring). With its label for the report and notes on how it was chosen."""
+    if step is not None:
+        taken = run_to_step(script, script_args, step)
+        return taken, f"step {step}", _moves(taken, step)
+    first = run_to_step(script, script_args, 1)
+    if not first.step.fresh:
+        return first, "step 1", _moves(first, 1)
+    made = f"step 1 creates state that the steps after it update in place ({_size(first.step.fresh_bytes)})"
+    gc.collect()  # the first run's tensors, before the script runs again
+    if live_pending_tensors():  # held past the run (by a cache of the script's libraries?): the second
+        # run's first boundary would execute them, TPU kernels included
+        return first, "step 1", [*_moves(first, 1), f"{made}, but its tensors outlive the run: --step 2 checks step 2"]
+    try:
+        second = run_to_step(script, script_args, 2)
+    except NoSuchStep:
+        return first, "step 1", [*_moves(first, 1), f"{made}, but the script has no step 2"]
+    if not steady_state_of(first.step, second.step):
+        note = f"{made}, but step 2 is another step (other shapes: a prefill, then decode steps?): --step 2 checks it"
+        return first, "step 1", [*_moves(first, 1), note]
+    note = (
+        f"{made}: step 1 ran on the CPU, and step 2 is checked, the same step with that state as donated "
+        "arguments, counted once (--step 1 checks step 1)"
+    )
+    return second, "steady state (step 2)", [*_moves(second, 2), note]
+
+
+def _size(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 27 else f"{size / (1 << 20):.1f} MiB"
 
 
 def _moves(taken: Taken, step: int) -> list[str]:

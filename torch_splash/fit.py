@@ -5,10 +5,11 @@
 runs an unmodified torch_xla script (PJRT_DEVICE=CPU) up to its first step boundary
 (`torch_xla.sync()`, `xm.mark_step()` or `xm.optimizer_step(...)`; not `torch_xla.compile`, whose
 own syncs are not intercepted; a boundary that only moves data onto the device is not a step), or
-with `--step N` to its N-th (the steps before run for real on the CPU: a generation loop's steady
-state), with torch_splash's kernels planned and lowered for TPU, takes the graph that step built
-without executing it, as torch_xla would compile it there (the same graph, parameter order and
-buffer donation: tensors updated in place count once), compiles it with the TPU compiler (libtpu,
+with `--step N` to its N-th (the steps before run for real on the CPU), by default to its second
+when the first only creates the state later steps update in place (a loop's steady state), with
+torch_splash's kernels planned and lowered for TPU, takes the graph that step built without
+executing it, as torch_xla would compile it there (the same graph, parameter order and buffer
+donation: tensors updated in place count once), compiles it with the TPU compiler (libtpu,
 deviceless) for the named topology, prints a report and exits. `check(step_fn, *args,
 topology=...)` does the same for a function that runs one step and returns a `Report`;
 `largest_fitting(make_step, lengths, topology=...)` searches the longest sequence that fits;
@@ -147,9 +148,10 @@ def largest_fitting(make_step, lengths, *, topology: str = "v5e") -> tuple[int |
 def run_script(
     script: str, script_args: list[str], topology: str, estimate_time: bool = False, step: int | None = None
 ) -> Report:
-    """Run a torch_xla script up to the boundary of its `step`-th step (by default its first) and
-    check that step. Boundaries that only move data onto the device are not steps. The report says
-    which step it checked (`Report.step`)."""
+    """Run a torch_xla script up to the boundary of its `step`-th step and check that step. By
+    default the first step, or the loop's steady state (step 2) when the first only differs from
+    it by creating the state the steps after it update in place. Boundaries that only move data
+    onto the device are not steps. The report says which step it checked (`Report.step`)."""
     parse_topology(topology)
     taken, label, notes = checked_step(script, script_args, step)
     report = compile_step(taken.step, topology, _partitions())
@@ -167,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         "--step",
         type=int,
         default=None,
-        help="check the N-th step (the steps before it run on the CPU: 2 for a loop's steady state; boundaries "
-        "that only move data onto the device are not steps). By default step 1",
+        help="check the N-th step (the steps before it run on the CPU; boundaries that only move data onto the "
+        "device are not steps). By default step 1, or the loop's steady state (step 2) when step 1 only creates "
+        "the state the steps after it update in place",
     )
     parser.add_argument(
         "--install-libtpu",
