@@ -298,6 +298,12 @@ def needs_materialization(tensors) -> bool:
     return any(needs_materialization_each(tensors))
 
 
+def view_base(tensor):
+    """The tensor `tensor` is a view of (an index, a slice, a reshape of it), or None (torch's
+    `Tensor._base`, which views of torch_xla tensors carry too)."""
+    return tensor._base
+
+
 def materialize(tensors) -> None:
     """Execute the pending graph of these torch_xla tensors and wait for it."""
     import torch_xla

@@ -78,12 +78,18 @@ class Report:
     attention_seconds: float | None = None
     attention_calls: int = 0
     rest_seconds: float | None = None  # xla_estimated_cycles at the estimator's clock
+    # From a script (run_script, the command): the step checked ("step 1", "steady state (step 2)")
+    # and how it was chosen
+    step: str | None = None
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         gib = 1 << 30
-        head = f"{self.topology}, {self.chips} chip{'s' if self.chips > 1 else ''}:"
+        which = f", {self.step}" if self.step else ""
+        head = f"{self.topology}, {self.chips} chip{'s' if self.chips > 1 else ''}{which}:"
+        notes = "".join(f"\n  {note}" for note in self.notes)
         if self.error is not None:
-            return f"{head} the TPU compiler refused the step:\n{self.error}"
+            return f"{head} the TPU compiler refused the step:\n{self.error}{notes}"
         figures = (
             f"(arguments {self.arguments / gib:.2f}, outputs {self.outputs / gib:.2f}, of which "
             f"{self.donated / gib:.2f} updated in place in donated arguments, "
@@ -95,7 +101,7 @@ class Report:
                 f"{head} does NOT fit: needs {at_least}{self.needed / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM"
             )
             # compiled, but over the chip: the compiler's figures say what takes it
-            return f"{text} per chip {figures}" if self.total else text
+            return (f"{text} per chip {figures}" if self.total else text) + notes
         text = f"{head} fits: {self.total / gib:.2f} GiB of {self.capacity / gib:.2f} GiB HBM per chip {figures}"
         if self.attention_seconds is not None:
             text += (
@@ -104,4 +110,4 @@ class Report:
             )
             if self.rest_seconds is not None:
                 text += f"; the rest of the step, XLA's own estimate: {self.rest_seconds * 1e3:.3f} ms"
-        return text
+        return text + notes

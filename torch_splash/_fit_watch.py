@@ -1,7 +1,11 @@
 """Building one step without running it: torch_splash's kernels planned for TPU, and any read of
 a device value before the step's boundary (which would execute part of its graph early) caught,
 with the user's line that made it. The reads are caught by wrapping torch.Tensor's reading
-methods for the duration, and restored after."""
+methods for the duration, and restored after.
+
+A read of what an earlier boundary computed (`ids[0, 0].item()`, `logits[:, -1].cpu()` after the
+boundary, as a generate loop logs its token) executes only its index or slice, which no step
+computes: it runs as torch_xla runs it and is not counted against the step being built."""
 
 from __future__ import annotations
 
@@ -12,10 +16,34 @@ import torch
 
 from torch_splash_jax import SplashConstraintError
 
+from . import _compat
 from ._platform import planned_for_tpu
 
-# The torch.Tensor methods that read a value back to the host
+# The torch.Tensor methods that read a value back to the host (`to` only when it goes to the CPU)
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__repr__", "__format__", "numpy")
+READS += ("cpu", "to")
+
+
+def _to_host(name: str, args, kwargs) -> bool:
+    """Whether this call of a READS method reads the value back to the host: `to` does only when
+    it goes to the CPU (it mostly moves tensors onto the device, or converts them there)."""
+    if name != "to":
+        return True
+    where = kwargs.get("device", args[0] if args else None)
+    if isinstance(where, torch.Tensor):
+        where = where.device
+    if isinstance(where, (str, torch.device)):
+        return torch.device(where).type == "cpu"
+    return False
+
+
+def _already_computed(t: torch.Tensor) -> bool:
+    """Whether reading `t` executes none of the pending graph: it has no pending work, or it is a
+    view (an index, a slice) of a tensor that has none, whose execution is the view's alone."""
+    if not _compat.needs_materialization([t]):
+        return True
+    base = _compat.view_base(t)
+    return base is not None and not _compat.needs_materialization([base])
 
 
 class EarlyExecution(SplashConstraintError):
@@ -29,6 +57,7 @@ class _Watch:
     def __init__(self):
         self.start = self.executions()
         self.line: list[str] = []
+        self.reading = False  # inside a read already judged: the reads it makes itself are its own
 
     @staticmethod
     def executions() -> int:
@@ -47,6 +76,16 @@ class _Watch:
     def executed(self) -> bool:
         return self.executions() > self.start
 
+    @contextlib.contextmanager
+    def not_counting(self):
+        """Executions made within are not the step's (they are counted as they happen: a read
+        waits for its value)."""
+        before = self.executions()
+        try:
+            yield
+        finally:
+            self.start += self.executions() - before
+
 
 @contextlib.contextmanager
 def watching_executions(settle: bool = False):
@@ -63,11 +102,20 @@ def watching_executions(settle: bool = False):
         original = originals[name]
 
         def read(self, *args, **kwargs):
-            if self.device.type == "xla" and not watch.line:
-                frames = [f for f in traceback.extract_stack()[:-1] if "/torch" not in f.filename]
-                if frames:
-                    watch.line.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}")
-            return original(self, *args, **kwargs)
+            if watch.reading or self.device.type != "xla" or not _to_host(name, args, kwargs):
+                return original(self, *args, **kwargs)
+            watch.reading = True
+            try:
+                if _already_computed(self):
+                    with watch.not_counting():
+                        return original(self, *args, **kwargs)
+                if not watch.line:
+                    frames = [f for f in traceback.extract_stack()[:-1] if "/torch" not in f.filename]
+                    if frames:
+                        watch.line.append(f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}")
+                return original(self, *args, **kwargs)
+            finally:
+                watch.reading = False
 
         return read
 

@@ -4,15 +4,16 @@
 
 runs an unmodified torch_xla script (PJRT_DEVICE=CPU) up to its first step boundary
 (`torch_xla.sync()`, `xm.mark_step()` or `xm.optimizer_step(...)`; not `torch_xla.compile`, whose
-own syncs are not intercepted), or with `--step N` to its N-th (the steps before run for real on
-the CPU: a generation loop's steady state), with torch_splash's kernels planned and lowered for
-TPU, takes the graph that step built without executing it, as torch_xla would compile it there
-(the same graph, parameter order and buffer donation: tensors updated in place count once),
-compiles it with the TPU compiler (libtpu, deviceless) for the named topology, prints a report
-and exits. `check(step_fn, *args, topology=...)` does the same for a function that runs one step
-and returns a `Report`; `largest_fitting(make_step, lengths, topology=...)` searches the longest
-sequence that fits; `kernel_time(q, k, v, mask, generation=...)` estimates one attention call's
-kernel time.
+own syncs are not intercepted; a boundary that only moves data onto the device is not a step), or
+with `--step N` to its N-th (the steps before run for real on the CPU), by default to its second
+when the first only creates the state later steps update in place (a loop's steady state), with
+torch_splash's kernels planned and lowered for TPU, takes the graph that step built without
+executing it, as torch_xla would compile it there (the same graph, parameter order and buffer
+donation: tensors updated in place count once), compiles it with the TPU compiler (libtpu,
+deviceless) for the named topology, prints a report and exits. `check(step_fn, *args,
+topology=...)` does the same for a function that runs one step and returns a `Report`;
+`largest_fitting(make_step, lengths, topology=...)` searches the longest sequence that fits;
+`kernel_time(q, k, v, mask, generation=...)` estimates one attention call's kernel time.
 
 The compiler runs in a process of its own, so this process keeps its JAX and torch_xla state.
 libtpu is the release torch_xla pins (torch_splash_jax.mosaic.PINNED_LIBTPU; for v7x, which it
@@ -36,7 +37,7 @@ from . import _planning
 from ._fit_compiler import compile_step, compile_step_hlo, libtpu_dir
 from ._fit_graph import pending_step
 from ._fit_report import Report, parse_topology
-from ._fit_script import run_to_step
+from ._fit_script import checked_step
 from ._fit_watch import EarlyExecution, building_one_step, watching_executions
 from ._platform import planned_for_tpu
 
@@ -152,13 +153,17 @@ def largest_fitting(make_step, lengths, *, topology: str = "v5e") -> tuple[int |
 
 
 def run_script(
-    script: str, script_args: list[str], topology: str, estimate_time: bool = False, step: int = 1
+    script: str, script_args: list[str], topology: str, estimate_time: bool = False, step: int | None = None
 ) -> Report:
-    """Run a torch_xla script up to its `step`-th step boundary and check that step."""
+    """Run a torch_xla script up to the boundary of its `step`-th step and check that step. By
+    default the first step, or the loop's steady state (step 2) when the first only differs from
+    it by creating the state the steps after it update in place. Boundaries that only move data
+    onto the device are not steps. The report says which step it checked (`Report.step`)."""
     parse_topology(topology)
-    taken, calls = run_to_step(script, script_args, step)
-    report = compile_step(taken, topology, _partitions())
-    return _with_time(report, calls) if estimate_time else report
+    taken, label, notes = checked_step(script, script_args, step)
+    report = compile_step(taken.step, topology, _partitions())
+    report = dataclasses.replace(report, step=label, notes=tuple(notes))
+    return _with_time(report, taken.calls) if estimate_time else report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step",
         type=int,
-        default=1,
-        help="check the N-th step (the steps before it run on the CPU): 2 for a loop's steady state",
+        default=None,
+        help="check the N-th step (the steps before it run on the CPU; boundaries that only move data onto the "
+        "device are not steps). By default step 1, or the loop's steady state (step 2) when step 1 only creates "
+        "the state the steps after it update in place",
     )
     parser.add_argument(
         "--install-libtpu",
