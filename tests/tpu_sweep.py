@@ -34,9 +34,12 @@ DTYPES = ("bfloat16", "float32", "float16")
 BATCHES = (1, 2, 4, 8, 16, 32)
 LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 MAX_TOKENS = 1 << 16  # per call: batch x length
-# The longest sequence at batch 1 the sweep compiles for every family: a training step of the
-# largest family (Llama 3's 32 heads) at 128K needs about 6 GiB of v5e's 15.75.
+# Long sequences at batch 1: 128K for every family, mask and dtype but float32 (a training step of
+# Llama 3's 32 heads at 128K needs about 6 GiB of v5e's 15.75), and the longest causal call each
+# family's backward program holds in v5e's HBM without a step's buffer donation (about 40 KiB of
+# its tensors a token for Llama 3: 256K; 12 KiB for GPT-2: 512K).
 LONGEST = 131072
+LONGEST_CAUSAL = {"llama3": 262144, "qwen2.5": 262144, "gemma2": 262144, "qwen2.5-small": 524288, "gpt2": 524288}
 
 
 def case(family: str, mask: str, dtype: str, batch: int, length: int, **options) -> dict:
@@ -90,6 +93,7 @@ def full() -> list[dict]:
             cases.append(case(family, mask, dtype, _largest_batch(length), length))
         if dtype != "float32":  # float32's long programs hold twice the bytes: 64K at batch 1 above
             cases.append(case(family, mask, dtype, 1, LONGEST))
+    cases += [case(family, "causal", "bfloat16", 1, length) for family, length in LONGEST_CAUSAL.items()]
     for mask, length, batch in itertools.product(("causal", "documents"), LENGTHS, BATCHES):
         if batch * length <= MAX_TOKENS and batch != _largest_batch(length):
             cases.append(case("llama3", mask, "bfloat16", batch, length))
