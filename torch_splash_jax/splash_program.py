@@ -122,7 +122,7 @@ class Program(KernelTables):
         q = self._pad(q, 2, p.q_len_padded)
         k = self._pad(k, 2, p.kv_len_padded)
         v = self._pad(v, 2, p.kv_len_padded)
-        q, k, v = (x.reshape((calls, -1) + x.shape[2:]) for x in (q, k, v))
+        q, k, v = (self._per_call(x, calls) for x in (q, k, v))
         if p.is_mqa:  # the MQA kernel takes k and v without a head axis
             k, v = k[:, 0], v[:, 0]
         if sinks is not None and self.batch_in_heads:
@@ -136,6 +136,11 @@ class Program(KernelTables):
         if per_call[0].shape[0] == 1:
             return jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], per_call)))
         return jax.lax.map(lambda xs: fn(*xs), per_call)
+
+    @staticmethod
+    def _per_call(x, calls: int):
+        """(B, H, ...) as the kernel calls take it: (calls, heads a call sees, ...)."""
+        return x.reshape((calls, -1) + x.shape[2:])
 
     @staticmethod
     def _per_batch(x, batch: int):
@@ -285,7 +290,7 @@ class Program(KernelTables):
             d_out = jnp.where(has_keys, d_out, 0).astype(d_out.dtype)
         calls = per_call[0].shape[0]
         out = self._pad(out, 2, p.q_len_padded)
-        out, lse, d_out = (x.reshape((calls, -1) + x.shape[2:]) for x in (out, lse, d_out))
+        out, lse, d_out = (self._per_call(x, calls) for x in (out, lse, d_out))
 
         def one_call(q, k, v, segment_ids, out, lse, d_out):
             inputs = self._residual_sources(q, k, v, call_sinks, segment_ids) + table_arrays
