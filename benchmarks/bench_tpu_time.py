@@ -36,6 +36,8 @@ import tempfile
 
 import report  # benchmarks/report.py: results files and their tables
 
+from torch_splash_jax.tpu_check.cases import MAXTEXT_BLOCKS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALIBRATIONS = [("v5p", "forward"), ("v6e", "forward"), ("v7x", "forward"), ("v7x", "backward")]
 GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
@@ -198,8 +200,9 @@ def _blocks(forward: tuple, dkv: tuple, compute: int, dq: tuple | None = None) -
     return dict(fields, use_fused_bwd_kernel=dq is None)
 
 
-# MaxText's defaults for JAX's splash, and torch_splash's TPU plan before the search chose it
-MAXTEXT = _blocks((512, 512), (512, 512), 512, dq=(512, 512))
+# MaxText's defaults for JAX's splash (the real-chip check's baseline too), and torch_splash's TPU
+# plan before the search chose it
+MAXTEXT = MAXTEXT_BLOCKS
 # The TPU plan's candidates (each within the VMEM budget the planner enforces on every generation);
 # the plan (torch_splash_jax.block_planning._TARGETS) takes the fastest, its fused dq buffer kept to at most 8 q's
 # or 2 GiB (torch_splash_jax.kernel_limits.FUSED_DQ_BUFFER_BYTES)
