@@ -207,11 +207,13 @@ def test_an_hf_decode_step_with_splash_is_estimated_faster_than_with_sdpa():
     assert sdpa["donated"] >= cache and splash["donated"] >= cache, row
 
 
+@pytest.mark.slow
 def test_tpu_check_runs_a_user_s_call_on_the_cpu():
     """`./dev.sh tpu-check` (the real-chip check, JAX only) on a machine without a TPU: the user's
     call alone (--shape/--mask, --only), its fidelity against the float32 reference with gradients,
     its timing beside JAX's splash and XLA's dense attention, and (the torch_xla set has it) the
-    same call through torch_splash.attention on torch_xla's CPU device."""
+    same call through torch_splash.attention on torch_xla's CPU device (a minute on 2 cores; the
+    real chip runs the whole check: docs/benchmarks.md)."""
     out = RESULTS / "tpu_check_quick.json"
     dev("tpu-check", "--quick", "--only", "--shape", "2,4,2,256,64", "--mask", "window:64",
         "--parts", "limits,fidelity,timing,bridge", "--out", str(out))  # fmt: skip

@@ -265,6 +265,7 @@ def test_decode_on_torch_xla_s_device_in_graph(xla_device):
     torch.testing.assert_close(out.cpu().double(), reference(q, k, v, segment_ids=ids, dtype=torch.float64), **F32)
 
 
+@pytest.mark.torchtpu  # the estimator's libtpu is the current set's
 def test_kernel_time_of_a_decode_shaped_call_estimates_the_decode_kernel():
     """torch_splash.fit.kernel_time estimates what attention would run: a decode step (one token,
     a 4K cache, no gradients) takes the decode kernel, not the splash forward, which the real v5e

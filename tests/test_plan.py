@@ -370,3 +370,17 @@ def test_the_vmem_rule_follows_what_the_tpu_compiler_refused(call, blocks):
     fields = dict(q_len=8192, num_q_heads=16, head_dim=128, batch=8, dtype="bfloat16", platform="tpu")
     planned = torch_splash_jax.plan(**{**fields, **call}, mask=torch_splash_jax.CausalMask()).block_sizes()
     assert {name: planned[name] for name in blocks} == blocks
+
+
+def test_float32_blocks_a_caller_sets_are_held_to_what_compiled():
+    """The planner keeps float32 to half the VMEM budget; a caller's own float32 blocks keep the
+    bfloat16 budget, at which 1024 x 1024 blocks compiled at head_dim 256 in every kernel (v5e),
+    and are refused past it, and for the forward past 1024-row q blocks (2048 x 512 overran)."""
+    every = dict.fromkeys(("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"), 1024)
+
+    def blocks(**user):
+        return plan_blocks(2048, 2048, torch_splash_jax.BlockSizes(**user), "tpu", 256, itemsize=4)[2]
+
+    assert dict(blocks(**every))["block_q"] == 1024
+    with pytest.raises(torch_splash_jax.SplashConstraintError, match="float32's forward q block at most 1024"):
+        blocks(block_q=2048, block_kv=512)

@@ -221,16 +221,20 @@ def _by_key(results):
 @pytest.fixture(scope="module")
 def default_results():
     newest = 8 if LIBTPU_RELEASE == mosaic.PINNED_LIBTPU else mosaic.newest_written()
-    cases = DEFAULT + [
-        dict(
-            DEFAULT[0],
-            name="jax-default-version-8",
-            scale=0.1,
-            mosaic_version=newest,
-            generations=GENERATIONS,
-            kinds=["forward"],
-        )
-    ]
+    cases = (
+        DEFAULT
+        + tpu_sweep.SLICE
+        + [
+            dict(
+                DEFAULT[0],
+                name="jax-default-version-8",
+                scale=0.1,
+                mosaic_version=newest,
+                generations=GENERATIONS,
+                kinds=["forward"],
+            )
+        ]
+    )
     return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(cases)))
 
 
@@ -421,18 +425,13 @@ def _sweep_triples(cases, generations=None) -> list:
 SLICE_COMPILED = _sweep_triples(tpu_sweep.SLICE)
 
 
-@pytest.fixture(scope="module")
-def slice_results():
-    return _by_key(_worker("programs", ",".join(GENERATIONS), stdin=_lines(tpu_sweep.SLICE)))
-
-
 @pytest.mark.xla
 @pytest.mark.parametrize("case,generation,kind", SLICE_COMPILED, ids=_ids(SLICE_COMPILED))
-def test_the_sweep_s_slice_compiles_for_tpu(slice_results, case, kind, generation):
+def test_the_sweep_s_slice_compiles_for_tpu(default_results, case, kind, generation):
     """The representative slice of the shape sweep (tests/tpu_sweep.py) as torch_xla's graph
-    transport hands it over: batches of 16 and 32, segment ids, head_dim 64 to 256, float16, a
-    decode step; the whole sweep is under -m slow."""
-    _assert_compiled_or_refused(slice_results, case, kind, generation)
+    transport hands it over, compiled by the default cases' worker: batches of 16 and 32, segment
+    ids, head_dim 64 to 256, float16, a decode step; the whole sweep is under -m slow."""
+    _assert_compiled_or_refused(default_results, case, kind, generation)
 
 
 @pytest.fixture(scope="module")

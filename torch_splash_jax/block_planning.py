@@ -22,6 +22,7 @@ from .block_sizes import BlockSizes, check_block_sizes
 from .errors import SplashConstraintError
 from .kernel_limits import (
     DQ_MAX_Q_BLOCK,
+    F32_MAX_FORWARD_Q_BLOCK,
     FUSED_DQ_BUFFER_BYTES,
     LANES,
     SMEM_STORED_TABLE_ENTRIES,
@@ -114,16 +115,19 @@ def _fit_vmem(blocks: dict, user: BlockSizes, footprint: Footprint) -> None:
             planned = [n for n in (kv_name, q_name) if getattr(user, n) is None and blocks[n] > LANES]
             if kernel == "dq" and blocks[q_name] > DQ_MAX_Q_BLOCK:
                 planned = [n for n in planned if n == q_name]
+            explicit = dataclasses.replace(footprint, explicit=True)
+            if not planned and explicit.fits(blocks[q_name], blocks[kv_name], kernel):
+                break  # the caller's own blocks, within what was measured to compile
             if not planned:
                 given = ", ".join(f"block_sizes.{n}={blocks[n]}" for n in (q_name, kv_name))
                 raise SplashConstraintError(
                     f"{given}: the {kernel} kernel's blocks at head_dim {footprint.head_dim} do not fit the "
                     f"TPU's VMEM: block_q x block_kv x max(head_dim, 128) must be at most "
-                    f"2**{footprint.budget(kernel).bit_length() - 1} here (2**28, halved for a mask read from "
-                    "stored blocks, for float32, and for the forward with segment ids below head_dim 128), "
-                    f"and the dq kernel's q block at most "
-                    f"{DQ_MAX_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. 2048 x 1024 at head_dim 128, "
-                    "1024 x 1024 at 256). Use smaller blocks, or leave them None to have them planned."
+                    f"2**{explicit.budget(kernel).bit_length() - 1} here (2**28, halved for a mask read from "
+                    "stored blocks and for the forward with segment ids below head_dim 128), the dq kernel's "
+                    f"q block at most {DQ_MAX_Q_BLOCK} and float32's forward q block at most "
+                    f"{F32_MAX_FORWARD_Q_BLOCK} (the TPU compiler refuses larger ones; e.g. 2048 x 1024 at head_dim "
+                    "128, 1024 x 1024 at 256). Use smaller blocks, or leave them None to have them planned."
                 )
             name = max(planned, key=lambda n: blocks[n])
             blocks[name] //= 2

@@ -34,6 +34,7 @@ SMEM_TABLE_ENTRIES = 1 << 18
 # 1.00M"); stored tables keep to the same 768 KiB.
 SMEM_STORED_TABLE_ENTRIES = SMEM_TABLE_ENTRIES * 3 // 5
 DQ_MAX_Q_BLOCK = 1024
+F32_MAX_FORWARD_Q_BLOCK = 1024
 # The fused backward's dq buffer may always hold `fused_max_kv_blocks` copies of q, and more up to
 # an eighth of the smallest TPU's HBM (v5e, 16 GiB): at 32K tokens, 16 heads, D=128 (and 16K at
 # D=256), B=1 bf16, its 16 copies (2 GiB) keep the dkv kernel's 1024 x 2048 (1024 x 1024) blocks,
@@ -69,20 +70,25 @@ class Footprint:
     itemsize: int = 2
     segment_ids: bool = False
     soft_cap: bool = False
+    # Blocks the caller chose: held to what was measured to compile, not to the planner's margin.
+    explicit: bool = False
 
     def budget(self, kernel: str = "forward") -> int:
         """The budget of the rule `fits` applies: VMEM_BUDGET, halved for a mask read from stored
-        blocks, for 4-byte inputs, and for the forward with segment ids below head_dim 128.
-        kernel="fused": the fused dkv kernel's q block x kv compute block x max(head_dim, 128), which
-        also holds dq: half the budget, and half again with a soft cap above head_dim 128 (at head_dim
-        256, 1024 x 1024 blocks and compute blocks of 512 overran the scoped VMEM with 128 folded heads
-        (16.41M of 16M) where compute blocks of 256 compiled, and without the soft cap 512 did).
-        float32 was measured (v5e, libtpu 0.0.21): the forward at 2048 x 1024, head_dim 128,
-        overran the scoped VMEM at 32K tokens (16.68M of 16M) where 1024 x 1024 compiled, and at
-        head_dim 256 2048 x 512 overran where 1024 x 512 compiled. Segment ids: the forward at
-        2048 x 1024, head_dim 64, overran it at 64K tokens (16.89M with 14 heads, 16.83M with 12)
-        and 128K (16.33M), where head_dim 128 and 256 compiled."""
-        budget = VMEM_BUDGET // (2 if self.itemsize > 2 else 1)
+        blocks and for the forward with segment ids below head_dim 128 (measured, v5e, libtpu
+        0.0.21: the forward at 2048 x 1024, head_dim 64, overran the scoped VMEM at 64K tokens,
+        16.89M of 16M with 14 heads, 16.83M with 12, and at 128K, 16.33M, where head_dim 128 and 256
+        compiled). kernel="fused": the fused dkv kernel's q block x kv compute block x max(head_dim,
+        128), which also holds dq: half the budget, and half again with a soft cap above head_dim 128
+        (at head_dim 256, 1024 x 1024 blocks and compute blocks of 512 overran it with 128 folded
+        heads, 16.41M, where compute blocks of 256 compiled, and without the soft cap 512 did).
+
+        float32 inputs halve every planned budget: the planner's bfloat16 blocks overran it in
+        float32 (the forward at 2048 x 1024, head_dim 128, 32K tokens: 16.68M; the fused dkv kernel at
+        1024 x 2048, compute blocks of 512: 16.19M), where halved ones compiled. Blocks the caller
+        chose keep the bfloat16 budget, at which float32 was measured to compile (1024 x 1024 at
+        head_dim 256 in every kernel), with the forward's q block at most 1024 (`fits`)."""
+        budget = VMEM_BUDGET // (2 if self.itemsize > 2 and not self.explicit else 1)
         if kernel == "fused":
             return budget // (4 if self.soft_cap and self.head_dim > LANES else 2)
         if self.stored:
@@ -103,6 +109,10 @@ class Footprint:
         # FlexAttention's document mask at 8K tokens, 16 heads, D=128, 2048 x 1024 overran it (17.91M
         # of 16M, v5e, libtpu 0.0.21). With stored blocks every kernel keeps to half the budget.
         if kernel == "dq" and q_block > DQ_MAX_Q_BLOCK:
+            return False
+        # float32's forward at q blocks of 2048 overran the scoped VMEM (2048 x 1024 at head_dim 128
+        # and 32K tokens; 2048 x 512 at 256), where 1024-row blocks compiled at the rule's edge
+        if kernel == "forward" and self.itemsize > 2 and q_block > F32_MAX_FORWARD_Q_BLOCK:
             return False
         return q_block * kv_block * max(self.head_dim, LANES) <= self.budget(kernel)
 
