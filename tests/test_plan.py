@@ -361,12 +361,18 @@ def test_float16_runs_as_float32_on_the_jax_side():
         # a soft cap at head_dim 256: the fused dkv kernel's compute block of 512 overran it (16.41M)
         (dict(head_dim=256, soft_cap=50.0), dict(block_q_dkv=1024, block_kv_dkv_compute=256)),
         (dict(head_dim=256), dict(block_q_dkv=1024, block_kv_dkv_compute=512)),
+        # float32 (float16 computes in it) with segment ids: the dkv kernel at 1024 x 512 overran it
+        (
+            dict(dtype="float16", head_dim=256, has_segment_ids=True, soft_cap=50.0, q_len=131072, batch=1),
+            dict(block_q_dkv=512, block_kv_dkv=512),
+        ),
     ],
 )
 def test_the_vmem_rule_follows_what_the_tpu_compiler_refused(call, blocks):
     """Blocks the TPU compiler refused for v5e (libtpu 0.0.21, the sweep of tests/tpu_sweep.py) are
     never planned: the VMEM budget halves for float32 inputs, for the forward with segment ids below
-    head_dim 128, and for the fused dkv kernel's compute block with a soft cap above head_dim 128."""
+    head_dim 128, for the fused dkv kernel's compute block with a soft cap above head_dim 128, and
+    for the dkv kernel of float32 with segment ids."""
     fields = dict(q_len=8192, num_q_heads=16, head_dim=128, batch=8, dtype="bfloat16", platform="tpu")
     planned = torch_splash_jax.plan(**{**fields, **call}, mask=torch_splash_jax.CausalMask()).block_sizes()
     assert {name: planned[name] for name in blocks} == blocks

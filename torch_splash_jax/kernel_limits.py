@@ -85,7 +85,9 @@ class Footprint:
 
         float32 inputs halve every planned budget: the planner's bfloat16 blocks overran it in
         float32 (the forward at 2048 x 1024, head_dim 128, 32K tokens: 16.68M; the fused dkv kernel at
-        1024 x 2048, compute blocks of 512: 16.19M), where halved ones compiled. Blocks the caller
+        1024 x 2048, compute blocks of 512: 16.19M), where halved ones compiled; with segment ids the
+        dkv kernel's halves again (1024 x 512 at head_dim 256, 128K tokens, overran where 512 x 512
+        compiled). Blocks the caller
         chose keep the bfloat16 budget, at which float32 was measured to compile (1024 x 1024 at
         head_dim 256 in every kernel), with the forward's q block at most 1024 (`fits`)."""
         budget = VMEM_BUDGET // (2 if self.itemsize > 2 and not self.explicit else 1)
@@ -94,6 +96,8 @@ class Footprint:
         if self.stored:
             budget //= 2
         if kernel == "forward" and self.segment_ids and self.head_dim < LANES:
+            budget //= 2
+        if kernel == "dkv" and self.segment_ids and self.itemsize > 2 and not self.explicit:
             budget //= 2
         return budget
 
