@@ -37,6 +37,9 @@ NEWEST_GENERATIONS = GENERATIONS + (["v7x"] if LIBTPU_RELEASE and mosaic.newest_
 KINDS = ["forward", "backward", "infer"]
 
 
+ACTIVE = {"forward_kernel": "active"}
+
+
 def _case(name, hq, hkv, q_len, kv_len, d, dtype, mask, **options):
     return dict(name=name, hq=hq, hkv=hkv, q_len=q_len, kv_len=kv_len, d=d, dtype=dtype, mask=mask, **options)
 
@@ -140,6 +143,27 @@ DEFAULT = [
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1.
     _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
+    # The active-block forward (BlockSizes(forward_kernel="active")): its 2048 x 2048 blocks and 512 x 512
+    # tiles with the batch in its heads; segment ids, soft cap and sinks in float32 off the 128 grid;
+    # MQA at head_dim 256 on a length shorter than one lane block.
+    _case(
+        "active-causal-d128-bf16-b4-4k", 16, 16, 4096, 4096, 128, "bfloat16", "CausalMask(0)", batch=4, blocks=ACTIVE
+    ),
+    _case(
+        "active-window-ids-cap-sinks-f32-1000",
+        8,
+        2,
+        1000,
+        1000,
+        64,
+        "float32",
+        "LocalMask(255, 0)",
+        segment_ids=True,
+        soft_cap=30.0,
+        sinks=True,
+        blocks=ACTIVE,
+    ),
+    _case("active-mqa-d256-bf16-129", 4, 1, 129, 129, 256, "bfloat16", "CausalMask(0)", blocks=ACTIVE),
 ]
 
 # v6e differs from v5e in VMEM and MXU: the default set compiles these for it too (the head dims,
@@ -155,6 +179,9 @@ ALSO_V6E = {
     "explicit-blocks-2048x1024",
     "head-dim-512-planned",
     "flex-lse-grad-dv129",
+    "active-causal-d128-bf16-b4-4k",
+    "active-window-ids-cap-sinks-f32-1000",
+    "active-mqa-d256-bf16-129",
 }
 # The infer program is the forward's kernel without the logsumexp output: compiled for those too,
 # and for every case under -m slow.

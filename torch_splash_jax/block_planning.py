@@ -27,6 +27,7 @@ from .kernel_limits import (
     LANES,
     SMEM_STORED_TABLE_ENTRIES,
     SMEM_TABLE_ENTRIES,
+    SUBLANES,
     Footprint,
     lane_padded,
     round_up,
@@ -340,3 +341,32 @@ def _planned(
         if getattr(user, layout) is not None:
             blocks[layout] = getattr(user, layout)
     return q_pad, kv_pad, tuple(sorted(blocks.items()))
+
+
+# The active-block forward's blocks on v5e (measured, B=1, bf16, 16/16 heads, causal, full and a
+# 4096 window at 16K and 32K: docs/tpu.md "The active-block forward"): 2048 x 2048 blocks in
+# 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks (2048 ran at
+# half the rate).
+ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIVE_TILE_ROWS = 2048, 2048, 1024, 512, 512
+
+
+def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
+    for block in range(min(limit, length) // multiple * multiple, 0, -multiple):
+        if length % block == 0:
+            return block
+    return None
+
+
+def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int) -> dict:
+    """The active-block forward's blocks for padded lengths (q a multiple of 8, kv of 128): block_q,
+    block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles; None where the
+    block is too short to split), each dividing the one above it, at most 16 tiles a block."""
+    block_q = _largest_divisor(q_len_padded, ACTIVE_BLOCK_Q, LANES) or q_len_padded
+    wide = ACTIVE_BLOCK_KV_WIDE_HEADS if head_dim > LANES else ACTIVE_BLOCK_KV
+    block_kv = _largest_divisor(kv_len_padded, wide, LANES)
+    chunk = _largest_divisor(block_kv, ACTIVE_CHUNK, LANES)
+    chunks = block_kv // chunk
+    least = max(min(ACTIVE_TILE_ROWS, block_q), -(-block_q * chunks // 16))
+    rows = next(r for r in range(least, block_q + 1) if block_q % r == 0 and (r % SUBLANES == 0 or r == block_q))
+    split = rows < block_q or chunks > 1
+    return dict(block_q=block_q, block_kv=block_kv, block_kv_compute=chunk, block_q_sub=rows if split else None)

@@ -16,6 +16,7 @@ from .kernel_limits import LANES, SUBLANES, round_up
 _KV_FIELDS = ("block_kv", "block_kv_compute", "block_kv_dq", "block_kv_dkv", "block_kv_dkv_compute")
 _Q_BWD_FIELDS = ("block_q_dq", "block_q_dkv")
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
+FORWARD_KERNELS = ("splash", "active")
 
 
 @dataclasses.dataclass(unsafe_hash=True)
@@ -29,6 +30,10 @@ class BlockSizes(Immutable):
         block_q_dq, block_kv_dq: the separate dq kernel's; setting one selects it.
         use_fused_bwd_kernel: compute dq inside the dkv kernel.
         q_layout, k_layout, v_layout: "HEAD_DIM_MINOR" or "SEQ_MINOR".
+        forward_kernel: "splash" (JAX's kernel, the default) or "active" (the project's own, over
+            each head's active blocks only, `torch_splash_jax.active_kernels`; its blocks are its
+            own, planned from the padded lengths, and the backward stays JAX's). "active" serves
+            one structured mask shared by every head, unsharded; other calls are refused.
 
     A block longer than the padded sequence is clamped to it. Refused with SplashConstraintError
     (when planned, before any JAX work): a kv block or compute block not a multiple of 128, a
@@ -48,6 +53,7 @@ class BlockSizes(Immutable):
     q_layout: str | None = None
     k_layout: str | None = None
     v_layout: str | None = None
+    forward_kernel: str | None = None
 
 
 def _nearest_multiples(value: int, multiple: int) -> str:
@@ -65,6 +71,10 @@ def check_block_sizes(bs: BlockSizes) -> None:
         if field.name == "use_fused_bwd_kernel":
             if not isinstance(value, bool):
                 raise SplashDtypeError(f"{where}: must be True, False or None (planned).")
+            continue
+        if field.name == "forward_kernel":
+            if value not in FORWARD_KERNELS:
+                raise SplashConstraintError(f"{where}: must be one of {FORWARD_KERNELS} or None (JAX's splash).")
             continue
         if field.name.endswith("_layout"):
             if value not in _LAYOUTS:

@@ -247,6 +247,17 @@ def downcast_to_small_type(array):
         raise _moved("splash_attention_mask_info._downcast_to_small_type", error) from None
 
 
+def lane_repeat(x, times: int):
+    """x (rows, 128) repeated `times` along its lanes, in a Pallas TPU kernel: Pallas's own
+    `repeat` where it has one (jax 0.7), `jnp.tile` where it was removed (jax 0.12 lowers it)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    if hasattr(pltpu, "repeat"):
+        return pltpu.repeat(x, times, axis=1)
+    return jnp.tile(x, (1, times))
+
+
 def logsumexp_residual(leaves: list, out):
     """The logsumexp among the leaves of the splash custom_vjp's vjp function: JAX names no
     residual, so it is the one float32 array shaped like `out` without its last axis."""

@@ -33,6 +33,9 @@ SMEM_TABLE_ENTRIES = 1 << 18
 # planned to 2**18 entries, was refused ("Ran out of memory in memory space smem. Used 1.50M of
 # 1.00M"); stored tables keep to the same 768 KiB.
 SMEM_STORED_TABLE_ENTRIES = SMEM_TABLE_ENTRIES * 3 // 5
+# The active-block forward's tables hold four int32 an entry (q block, kv block, flags, tile
+# kinds): the same 768 KiB.
+ACTIVE_TABLE_ENTRIES = (768 << 10) // 16
 DQ_MAX_Q_BLOCK = 1024
 F32_MAX_FORWARD_Q_BLOCK = 1024
 # The fused backward's dq buffer may always hold `fused_max_kv_blocks` copies of q, and more up to

@@ -54,6 +54,8 @@ class Plan:
     # kv_len is one shard's keys, and ring_step says which shard's keys a program attends to).
     context_parallel: str = "all_gather"
     ring_step: int = 0
+    # The forward kernel: "splash" (JAX's) or "active" (block_sizes.BlockSizes.forward_kernel).
+    forward_kernel: str = "splash"
 
     @property
     def ring(self) -> bool:
@@ -178,7 +180,11 @@ def plan(
         has_segment_ids,
         soft_cap is not None,
     )
+    forward_kernel = block_sizes.forward_kernel or "splash"
+    if forward_kernel == "active":
+        _check_active(mask, q_shards, head_shards, context_parallel)
     return Plan(
+        forward_kernel=forward_kernel,
         batch=batch,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -201,6 +207,22 @@ def plan(
         head_shards=head_shards if per_head else 1,
         context_parallel=context_parallel,
     )
+
+
+def _check_active(mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
+    """The calls the active-block forward serves: one structured mask every head shares, on one device."""
+    shared = shared_structured_mask(mask)
+    why = None
+    if shared is None or not shared.computable:
+        why = f"the mask {mask!r} is not one structured mask shared by every head"
+    elif q_shards > 1 or head_shards > 1 or context_parallel == "ring":
+        why = "the call is sharded over devices"
+    if why:
+        raise SplashConstraintError(
+            f"block_sizes.forward_kernel='active': {why}; the active-block forward serves unsharded "
+            "calls whose heads share one structured mask (causal, full, local, chunked, prefix and their "
+            "compositions). Use forward_kernel='splash' (or None) for this call."
+        )
 
 
 def ring_steps(plan: Plan) -> list[Plan]:

@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from . import compat, policy
-from .kernel_limits import compute_dtype
+from . import active_kernels, compat, policy
+from . import tables as _tables
+from .block_planning import active_forward_blocks
+from .errors import SplashConstraintError
+from .kernel_limits import ACTIVE_TABLE_ENTRIES, compute_dtype
 from .kernel_tables import KernelTables
+from .masks import shared_structured_mask
 from .plan import Plan
 
 _splash = compat.splash_modules()[0]
@@ -86,6 +91,7 @@ class Program(KernelTables):
         self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self._layout = None  # _residual_layout
+        self._active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
@@ -108,7 +114,7 @@ class Program(KernelTables):
         widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
-    def _kernel_inputs(self, q, k, v, ids, sinks):
+    def _kernel_inputs(self, q, k, v, ids, sinks, key_scale: float | None = None):
         """The kernel calls' inputs, ((q, k, v, segment ids), sinks): q, k, v scaled and padded, with
         a leading axis of calls (`_each_call`): one call of B * H heads where the plan puts the
         batch in its heads, else one call per batch element; the MQA kernel's k and v without a
@@ -118,7 +124,7 @@ class Program(KernelTables):
         p = self.plan
         calls = 1 if self.batch_in_heads else q.shape[0]
         q, k, v = (x.astype(compute_dtype(p.dtype)) for x in (q, k, v))  # float16 runs in float32
-        k = scaled(k, p.scale)
+        k = scaled(k, p.scale if key_scale is None else key_scale)
         q = self._pad(q, 2, p.q_len_padded)
         k = self._pad(k, 2, p.kv_len_padded)
         v = self._pad(v, 2, p.kv_len_padded)
@@ -197,6 +203,10 @@ class Program(KernelTables):
 
     def _forward(self, q, k, v, ids, sinks, tables):
         """The kernels' output and logsumexp, (B, Hq, Lq padded[, Dv])."""
+        if self._active is not None:
+            per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks, self.plan.scale * active_kernels.LOG2E)
+            out, lse = self._each_call(functools.partial(self._active, sinks), per_call)
+            return self._per_batch(out, q.shape[0]), self._per_batch(lse, q.shape[0])
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
         kernel, table_arrays = self._kernel_for(tables)
         out, lse = self._each_call(lambda *a: self._call_vjp(kernel, table_arrays, sinks, *a)[:2], per_call)
@@ -257,7 +267,7 @@ class Program(KernelTables):
         q, k, v, ids, sinks, tables, _ = self._named("infer", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
-        if self.rows_may_be_empty:
+        if self.rows_may_be_empty or self._active is not None:
             return self._finish(*self._forward(q, k, v, ids, sinks, tables)).astype(q.dtype)
         kernel, _ = self._kernel_for(tables)
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
@@ -311,6 +321,52 @@ class Program(KernelTables):
         dv = dv[..., : p.kv_len, :].astype(v.dtype)
         d_sinks = [d.reshape(-1, sinks.shape[0]).sum(axis=0) for d in d_sinks]  # every call's heads' share
         return (dq, dk, dv, *d_sinks)
+
+
+class _ActiveForward:
+    """The active-block forward (`active_kernels`) of a plan: its blocks, its block list (constants
+    of the program, made on the host) and one kernel call on a call's q, k, v and segment ids."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.mask = shared_structured_mask(plan.mask)
+        self.blocks = active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
+        b = self.blocks
+        kinds = _tables.block_mask_table(
+            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q"], b["block_kv"]
+        )
+        tile_kinds = None
+        if b["block_q_sub"]:
+            tile_kinds = _tables.block_mask_table(
+                self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q_sub"], b["block_kv_compute"]
+            )[None]
+        self.grid = active_kernels.active_grid(kinds[None], tile_kinds)
+        entries = self.grid[0].size
+        if entries > ACTIVE_TABLE_ENTRIES:
+            raise SplashConstraintError(
+                f"block_sizes.forward_kernel='active': {entries} active blocks of {b['block_q']} x "
+                f"{b['block_kv']} at {plan.q_len_padded} x {plan.kv_len_padded} tokens overrun the "
+                f"{ACTIVE_TABLE_ENTRIES} a TPU's SMEM holds; use forward_kernel='splash' for this call."
+            )
+
+    def __call__(self, sinks, q, k, v, segment_ids):
+        """(out (Hq, Lq, Dv), logsumexp (Hq, Lq)) of one kernel call; k scaled by scale x LOG2E."""
+        p = self.plan
+        if k.ndim == 2:  # the MQA layout `_kernel_inputs` gives
+            k, v = k[None], v[None]
+        return active_kernels.forward(
+            q,
+            k,
+            v,
+            self.grid,
+            mask=self.mask,
+            kv_len=p.kv_len,
+            **self.blocks,
+            soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
+            segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
+            sinks=None if sinks is None else sinks.astype(jnp.float32) * active_kernels.LOG2E,
+            interpret=p.platform != "tpu",
+        )
 
 
 # Stored-block programs by what their jitted functions depend on (`Program._shapes`): a program

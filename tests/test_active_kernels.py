@@ -1,0 +1,221 @@
+"""The active-block forward (`torch_splash_jax.active_kernels`, `BlockSizes(forward_kernel="active")`),
+in Pallas interpret mode on the CPU: the kernel against a float64 softmax reference (output and
+logsumexp), its tables and blocks, and whole calls through `torch_splash.attention` against SDPA
+with gradients (the backward is JAX's dq/dkv kernels, fed the new forward's output and logsumexp).
+Its Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import TOL, assert_matches_reference, make_qkv, reference
+
+import torch_splash
+import torch_splash_jax
+from torch_splash_jax import active_kernels, tables
+from torch_splash_jax import structured_masks as sm
+from torch_splash_jax.block_planning import active_forward_blocks
+
+ACTIVE = torch_splash_jax.BlockSizes(forward_kernel="active")
+
+
+def _float64_attention(q, k, v, allowed, scale, soft_cap=None, sinks=None):
+    """(out, logsumexp) of softmax attention in float64; rows with no allowed key give 0 and -inf."""
+    group = q.shape[0] // k.shape[0]
+    k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
+    s = np.einsum("hqd,hkd->hqk", q, k) * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    s = np.where(allowed, s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], s.shape[:2] + (1,))], axis=-1)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
+    seen = allowed.any(-1)
+    out = np.where(seen[..., None], np.einsum("hqk,hkd->hqd", p, v) / np.where(total > 0, total, 1), 0)
+    lse = np.where(seen | (sinks is not None), (m + np.log(np.where(total > 0, total, 1)))[..., 0], -np.inf)
+    return out, lse
+
+
+KERNEL_CASES = [
+    # (mask, heads, kv heads, Lq, Lkv, kv_len, D, Dv, blocks (q, kv, chunk, tile rows), options)
+    (sm.CausalMask(0), 4, 2, 512, 512, 512, 64, 64, (128, 256, 128, None), {}),
+    (sm.FullMask(), 2, 2, 256, 768, 700, 64, 32, (128, 256, 128, None), {}),  # Dv != D, padded keys
+    (sm.LocalMask(100, 0), 4, 1, 1024, 1024, 1024, 32, 32, (256, 256, 128, 64), {}),  # MQA, tiles
+    (sm.CausalMask(-200), 2, 2, 512, 512, 512, 64, 64, (128, 128, 128, None), {}),  # rows with no key
+    (sm.CausalMask(0), 4, 2, 512, 512, 512, 64, 64, (256, 256, 128, 64), dict(segment_ids=True)),
+    (
+        sm.CausalMask(0) & sm.LocalMask(300, 0),
+        4,
+        4,
+        512,
+        512,
+        512,
+        64,
+        64,
+        (256, 256, 128, 64),
+        dict(soft_cap=5.0, sinks=True, segment_ids=True),
+    ),
+    (sm.ChunkedCausalMask(128) | sm.PrefixMask(64), 2, 1, 512, 512, 512, 64, 64, (128, 256, 128, 64), {}),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
+def test_the_active_forward_matches_a_float64_softmax(case):
+    """float32 inputs: the kernel accumulates in float32 from float32 logits, so output and logsumexp
+    agree with float64 to a few float32 roundings (measured about 5e-7); 1e-5 leaves room."""
+    mask, hq, hkv, lq, lkv, kv_len, d, dv, (bq, bkv, chunk, rows), options = case
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((hq, lq, d)).astype(np.float32)
+    k = rng.standard_normal((hkv, lkv, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, lkv, dv)).astype(np.float32)
+    scale = d**-0.5
+    allowed = np.zeros((lq, lkv), bool)
+    allowed[:, :kv_len] = mask.dense(lq, kv_len)
+    ids = None
+    if options.get("segment_ids"):
+        q_ids = np.sort(rng.integers(0, 4, lq)).astype(np.int32)
+        kv_ids = np.sort(rng.integers(0, 4, lkv)).astype(np.int32)
+        allowed &= q_ids[:, None] == kv_ids[None, :]
+        ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    sinks = rng.standard_normal(hq).astype(np.float32) if options.get("sinks") else None
+    soft_cap = options.get("soft_cap")
+    kinds = tables.block_mask_table(mask, lq, lkv, kv_len, bq, bkv)[None]
+    tile_kinds = None if rows is None else tables.block_mask_table(mask, lq, lkv, kv_len, rows, chunk)[None]
+    out, lse = active_kernels.forward(
+        jnp.asarray(q),
+        jnp.asarray(k * scale * active_kernels.LOG2E),
+        jnp.asarray(v),
+        active_kernels.active_grid(kinds, tile_kinds),
+        mask=mask,
+        kv_len=kv_len,
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=chunk,
+        block_q_sub=rows,
+        soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E,
+        segment_ids=ids,
+        sinks=None if sinks is None else jnp.asarray(sinks * active_kernels.LOG2E),
+        interpret=True,
+    )
+    want_out, want_lse = _float64_attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), allowed[None], scale, soft_cap, sinks
+    )
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5, rtol=1e-5)
+    assert (np.isfinite(np.asarray(lse)) == np.isfinite(want_lse)).all()
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_the_active_grid_walks_each_row_s_active_blocks_once():
+    mask = sm.CausalMask(-300) | sm.LocalMask(0, 0, 700)  # first rows see nothing, then a diagonal
+    kinds = tables.block_mask_table(mask, 1024, 1024, 1024, 128, 256)
+    q_block, kv_block, flags, _ = active_kernels.active_grid(kinds[None])
+    kind = flags[0] & active_kernels.KIND
+    for i in range(kinds.shape[0]):
+        mine = np.flatnonzero(q_block[0] == i)
+        assert flags[0, mine[0]] & active_kernels.FIRST and flags[0, mine[-1]] & active_kernels.LAST
+        if not kinds[i].any():  # a row with no key still has one entry, which only writes zeros
+            assert len(mine) == 1 and kind[mine[0]] == active_kernels.SKIP
+        else:
+            assert list(kv_block[0, mine]) == list(np.flatnonzero(kinds[i]))
+            assert list(kind[mine]) == list(kinds[i][kinds[i] > 0])
+
+
+def test_per_head_lists_are_padded_with_entries_that_do_nothing():
+    short = tables.block_mask_table(sm.LocalMask(0, 0), 512, 512, 512, 128, 128)
+    long = tables.block_mask_table(sm.FullMask(), 512, 512, 512, 128, 128)
+    q_block, kv_block, flags, _ = active_kernels.active_grid(np.stack([short, long]))
+    assert q_block.shape == (2, 16) and (flags[0, 4:] == 0).all()
+    assert (q_block[0, 4:] == q_block[0, 3]).all() and (kv_block[0, 4:] == kv_block[0, 3]).all()
+
+
+@pytest.mark.parametrize(
+    "q_len,kv_len,head_dim",
+    [(16384, 16384, 128), (16384, 16384, 256), (640, 768, 128), (8, 128, 64), (129 * 8, 4096 + 128, 128)],
+)
+def test_the_active_blocks_divide_the_padded_lengths(q_len, kv_len, head_dim):
+    b = active_forward_blocks(q_len, kv_len, head_dim)
+    assert q_len % b["block_q"] == 0 and kv_len % b["block_kv"] == 0
+    assert b["block_kv"] % b["block_kv_compute"] == 0 and b["block_kv_compute"] % 128 == 0
+    if b["block_q_sub"]:
+        assert b["block_q"] % b["block_q_sub"] == 0
+        tiles = (b["block_q"] // b["block_q_sub"]) * (b["block_kv"] // b["block_kv_compute"])
+        assert tiles <= active_kernels.MAX_TILES
+
+
+TORCH_CASES = [
+    # (batch, hq, hkv, L, D, mask, options)
+    (2, 4, 4, 300, 64, "causal", {}),  # the batch folded into heads, lengths off the 128 grid
+    (2, 4, 2, 256, 32, torch_splash.masks.LocalMask(40, 0), dict(segment_ids=True)),  # one call per element
+    (1, 4, 1, 200, 64, torch_splash.masks.CausalMask(-20), dict(soft_cap=20.0)),  # MQA, rows with no key
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: f"b{c[0]}-{c[1]}x{c[2]}-L{c[3]}-{sorted(c[6])}")
+def test_attention_with_the_active_forward_matches_the_reference(case, dtype):
+    """Output and gradients through torch_splash.attention, at the tolerances of every other call."""
+    batch, hq, hkv, length, d, mask, options = case
+    options = dict(options)
+    q, k, v = make_qkv(batch, hq, hkv, length, length, d, d, dtype)
+    if options.pop("segment_ids", False):
+        options["segment_ids"] = (torch.arange(length)[None] >= torch.tensor([[100], [30]])).int()
+    assert_matches_reference(q, k, v, mask, block_sizes=ACTIVE, **options)
+
+
+def test_sinks_through_the_active_forward_match_the_reference():
+    q, k, v = make_qkv(2, 4, 2, 200, 200, 32, 32, torch.float32)
+    sinks = torch.linspace(-1.0, 2.0, 4).requires_grad_()
+    cotangent = torch.randn(2, 4, 200, 32, generator=torch.Generator().manual_seed(3))
+    out = torch_splash.attention(q, k, v, "causal", sinks=sinks, block_sizes=ACTIVE)
+    (out * cotangent).sum().backward()
+    got = [out.detach()] + [t.grad.clone() for t in (q, k, v, sinks)]
+    for t in (q, k, v, sinks):
+        t.grad = None
+    ref = reference(q, k, v, "causal", sinks=sinks)
+    (ref * cotangent).sum().backward()
+    (atol_out, rtol_out), (atol_grad, rtol_grad) = TOL[torch.float32]["out"], TOL[torch.float32]["grad"]
+    torch.testing.assert_close(got[0], ref.detach(), atol=atol_out, rtol=rtol_out)
+    for mine, want in zip(got[1:], [t.grad for t in (q, k, v, sinks)]):
+        torch.testing.assert_close(mine, want, atol=atol_grad, rtol=rtol_grad)
+
+
+def test_bfloat16_through_the_active_forward_is_as_close_to_float64_as_jax_s_kernel():
+    """Both forwards on the same bfloat16 inputs against a float64 reference. JAX's kernel multiplies
+    p and v in float32; this one rounds p to bfloat16 for the MXU's bfloat16 rate, which may cost
+    one bfloat16 rounding of the output (2**-8 relative) and no more (measured: 3.3e-3 of the
+    largest output against JAX's 2.1e-3)."""
+    q, k, v = (t.detach() for t in make_qkv(1, 4, 2, 512, 512, 64, 64, torch.bfloat16))
+    want = reference(q, k, v, "causal", dtype=torch.float64)
+    errors = {}
+    for name, blocks in (("splash", None), ("active", ACTIVE)):
+        out = torch_splash.attention(q, k, v, "causal", block_sizes=blocks)
+        errors[name] = float((out.double() - want).abs().max() / want.abs().max())
+    assert errors["active"] <= errors["splash"] + 2**-8, errors
+
+
+@pytest.mark.parametrize(
+    "mask,why",
+    [
+        (
+            torch_splash.masks.MultiHeadMask([torch_splash.masks.CausalMask(0), torch_splash.masks.LocalMask(5)]),
+            "shared by every head",
+        ),
+        (torch_splash.masks.DenseMask(np.tril(np.ones((64, 64), bool))), "shared by every head"),
+    ],
+)
+def test_calls_the_active_forward_cannot_serve_are_refused_before_any_kernel_work(mask, why):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    with pytest.raises(torch_splash.SplashConstraintError, match=why):
+        torch_splash.attention(q, k, v, mask, block_sizes=ACTIVE)
+
+
+def test_an_unknown_forward_kernel_is_refused():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    with pytest.raises(torch_splash.SplashConstraintError, match="forward_kernel='fast'"):
+        torch_splash.attention(q, k, v, "causal", block_sizes=torch_splash_jax.BlockSizes(forward_kernel="fast"))

@@ -1,0 +1,356 @@
+"""The project's own attention kernels: a grid over the active blocks only.
+
+JAX's splash kernel walks a 3-D grid (heads, q blocks, the widest row's kv blocks) and idles on
+the steps a row lacks; it also evaluates the mask on every block. Here each head's grid is the list
+of the (q block, kv block) pairs its mask touches, row after row, made on the host from the mask's
+block kinds (`active_grid`): no idle steps, and blocks wholly inside the mask run a path with no
+mask work at all. Logits are kept in base 2: the caller folds log2(e) into the keys' scale (soft
+cap and sinks scaled to match, `LOG2E`), so each score costs one `exp2` where `exp` would cost a
+multiply and an exponent; the logsumexp handed back is in natural log.
+
+Tables (int32, scalar-prefetched into SMEM): per entry of a head's list, its q block, its kv block
+and flags (`KIND` bits: skip, partial, full; `FIRST` and `LAST` of its row). Every q block has at
+least one entry, so every output block is written (a row with no allowed key writes 0 and a
+logsumexp of -inf). Heads that share one mask share one list; with per-head lists the shorter
+ones end in entries that repeat their last block with nothing to do (no fetch, no work).
+Segment ids make kinds data: `segment_kinds` refines the host's kinds on the device (a full block
+whose rows and keys all lie in one segment stays full, one whose segments cannot meet is skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import compat
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Large and finite: exp2(MASKED - m) is 0 for any real maximum m, and MASKED - MASKED is 0, not NaN.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+LANES = 128  # row statistics are kept lane-dense, (rows, 128), as the TPU's vector registers hold them
+
+SKIP, PARTIAL, FULL = 0, 1, 2  # an entry's kind: the block kinds of tables.block_mask_table
+KIND = 3
+FIRST, LAST = 4, 8
+NT = (((1,), (1,)), ((), ()))  # contract the last axes: q k^T
+NN = (((1,), (0,)), ((), ()))
+MAX_TILES = 16  # 2 bits each in one int32 table entry
+
+
+def lane_tile(x, times: int):
+    """x (rows, LANES) repeated `times` along its lanes."""
+    return x if times == 1 else compat.lane_repeat(x, times)
+
+
+def _online_softmax(s, v, m, total, acc_ref, rows):
+    """One chunk of base-2 logits s (rows, chunk) into the running row maxima m and sums
+    total ((rows, LANES), returned) and the output accumulator acc_ref[rows]."""
+    m_next = jnp.maximum(m, s.max(axis=1)[:, None])
+    alpha = jnp.exp2(m - m_next)
+    p = jnp.exp2(s - lane_tile(m_next, s.shape[1] // LANES))
+    l_next = alpha * total + lax.broadcast_in_dim(p.sum(axis=1), total.shape, (0,))
+    pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+    acc_ref[rows, :] = _fit_lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + pv
+    return m_next, l_next
+
+
+def _fit_lanes(x, width: int):
+    """A lane-dense row statistic (rows, LANES) as (rows, width)."""
+    if width % LANES == 0:
+        return lane_tile(x, width // LANES)
+    return x[:, :width] if width < LANES else x[:, :1]
+
+
+def active_grid(kinds: np.ndarray, tile_kinds: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """(q block, kv block, flags), each (G, N) int32, from block kinds (G, nq, nkv) (0 empty, 1
+    partial, 2 full): each of G lists walks its non-empty blocks row after row; a row with none
+    gets one entry of kind SKIP; shorter lists are padded with entries repeating their last
+    block, flags 0."""
+    lists = []
+    for table in kinds:
+        rows, cols, flags = [], [], []
+        for i, row in enumerate(table):
+            active = np.flatnonzero(row)
+            if active.size == 0:
+                rows.append(i), cols.append(0 if not cols else cols[-1]), flags.append(SKIP | FIRST | LAST)
+                continue
+            for n, j in enumerate(active):
+                rows.append(i)
+                cols.append(j)
+                flags.append(int(row[j]) | (FIRST if n == 0 else 0) | (LAST if n == active.size - 1 else 0))
+        lists.append((rows, cols, flags))
+    width = max(len(rows) for rows, _, _ in lists)
+    out = np.zeros((3, len(lists), width), np.int32)
+    for g, entries in enumerate(lists):
+        for t, values in enumerate(entries):
+            out[t, g, : len(values)] = values
+            out[t, g, len(values) :] = values[-1] if t < 2 else 0
+    q_block, kv_block, flags = out
+    sub = np.zeros_like(flags)
+    if tile_kinds is not None:  # (G, nq * R, nkv * C): 2 bits a tile, row-major within the block
+        g_count, nq, nkv = kinds.shape
+        r_count, c_count = tile_kinds.shape[1] // nq, tile_kinds.shape[2] // nkv
+        tiles = tile_kinds.reshape(g_count, nq, r_count, nkv, c_count).transpose(0, 1, 3, 2, 4)
+        tiles = tiles.reshape(g_count, nq, nkv, r_count * c_count).astype(np.int64)
+        packed = (tiles << (2 * np.arange(r_count * c_count))).sum(axis=-1)
+        sub = packed[np.arange(g_count)[:, None], q_block, kv_block].astype(np.int32)
+    return q_block, kv_block, flags, sub
+
+
+def segment_kinds(q_block, kv_block, flags, q_ids, kv_ids, block_q: int, block_kv: int):
+    """The flags of `active_grid` refined by segment ids q_ids (Lq,), kv_ids (Lkv,) on the device:
+    a full block stays full only where its rows and keys all share one segment id, a block whose
+    rows' and keys' id ranges do not meet is skipped, the rest are partial."""
+
+    def ranges(ids, block):
+        ids = ids.reshape(-1, block)
+        return ids.min(axis=1), ids.max(axis=1)
+
+    q_lo, q_hi = (r[q_block] for r in ranges(q_ids, block_q))
+    kv_lo, kv_hi = (r[kv_block] for r in ranges(kv_ids, block_kv))
+    kind = flags & KIND
+    one_segment = (q_lo == q_hi) & (kv_lo == kv_hi) & (q_lo == kv_lo)
+    apart = (q_hi < kv_lo) | (kv_hi < q_lo)
+    kind = jnp.where(kind == FULL, jnp.where(one_segment, FULL, PARTIAL), kind)
+    kind = jnp.where(apart, SKIP, kind)
+    return (flags & ~KIND) | kind
+
+
+def _forward_kernel(
+    q_block_ref,
+    kv_block_ref,
+    flags_ref,
+    sub_kinds_ref,
+    *refs,
+    mask,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    block_q_sub: int | None,
+    soft_cap: float | None,
+    has_segment_ids: bool,
+    has_sinks: bool,
+    per_head_lists: bool,
+    width: int,
+):
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if has_sinks else None
+    q_ref, k_ref, v_ref = refs[:3]
+    refs = refs[3:]
+    q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    h, n = pl.program_id(0), pl.program_id(1)
+    t = (h * width if per_head_lists else 0) + n
+    flags = flags_ref[t]
+    kind = flags & KIND
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        m_ref[...] = jnp.full_like(m_ref, MASKED)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def step(masked: bool):
+        """A whole block, chunk after chunk of keys; its row statistics stay values between chunks."""
+        m, total = m_ref[...], l_ref[...]  # (block_q, LANES), every lane alike
+        for c in range(block_kv // block_kv_compute):
+            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+            s = lax.dot_general(q_ref[...], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            if masked:
+                s = jnp.where(allowed(0, block_q, c), s, MASKED)
+            m, total = _online_softmax(s, v_ref[cols, :], m, total, acc_ref, slice(None))
+        m_ref[...], l_ref[...] = m, total
+
+    def allowed(row0: int, rows: int, c: int):
+        """Which logits of `rows` rows from row0 and key chunk c the mask, the real keys and the
+        segment ids allow."""
+        row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        keys = kv_block_ref[t] * block_kv + c * block_kv_compute
+        keys = keys + lax.broadcasted_iota(jnp.int32, (1, block_kv_compute), 1)
+        ok = mask.allows(row_ids, keys)
+        real = keys < kv_len
+        ok = real if ok is None else ok & real
+        if has_segment_ids:
+            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+            ok = ok & (q_ids_ref[row0 : row0 + rows, :] == kv_ids_ref[:, cols])
+        return ok
+
+    def tile(r: int, c: int, masked: bool):
+        """One tile of a partial block: rows r of block_q_sub, keys chunk c."""
+        rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
+        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+        s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if masked:
+            s = jnp.where(allowed(r * block_q_sub, block_q_sub, c), s, MASKED)
+        m_ref[rows, :], l_ref[rows, :] = _online_softmax(
+            s, v_ref[cols, :], m_ref[rows, :], l_ref[rows, :], acc_ref, rows
+        )
+
+    def sub_tiled():
+        tiles = sub_kinds_ref[t]
+        chunks = block_kv // block_kv_compute
+        for r in range(block_q // block_q_sub):
+            for c in range(chunks):
+                tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND
+                pl.when(tile_kind == FULL)(functools.partial(tile, r, c, has_segment_ids))
+                pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, True))
+
+    pl.when(kind == FULL)(functools.partial(step, False))
+    pl.when(kind == PARTIAL)(sub_tiled if block_q_sub else functools.partial(step, True))
+
+    @pl.when((flags & LAST) != 0)
+    def _finish():
+        m, total = m_ref[...], l_ref[...]
+        acc = acc_ref[...]
+        if has_sinks:
+            sink = sinks_ref[h]
+            m_all = jnp.maximum(m, sink)
+            rescale = jnp.exp2(m - m_all)
+            total = rescale * total + jnp.exp2(sink - m_all)
+            acc = rescale[:, :1] * acc
+            m = m_all
+        seen = m > MASKED / 2  # the row met an allowed key
+        lse = jnp.where(seen, (m + jnp.log2(total)) * LN2, -jnp.inf)
+        out = jnp.where(seen[:, :1], acc / total[:, :1], 0.0)
+        out_ref[...] = out.astype(out_ref.dtype)
+        lse_ref[...] = lse.T[:1]
+
+
+def vmem_bytes(
+    block_q: int, block_kv: int, block_kv_compute: int, head_dim: int, head_dim_v: int, itemsize: int
+) -> int:
+    """The scoped VMEM the forward asks for: its double-buffered blocks, its scratch and the float32
+    logits and probabilities of a chunk (a few copies live at once), twice over for the
+    compiler's own temporaries, at least the 16 MiB TPUs give by default and at most v7x's 64 MiB."""
+    blocks = 2 * itemsize * (block_q * (head_dim + head_dim_v) + block_kv * (head_dim + head_dim_v))
+    scratch = 4 * block_q * (2 * LANES + head_dim_v) + 2 * 4 * 8 * block_q
+    logits = 3 * 4 * block_q * block_kv_compute
+    return int(min(64 << 20, max(16 << 20, 2 * (blocks + scratch + logits))))
+
+
+def forward(
+    q,
+    k,
+    v,
+    grid,
+    *,
+    mask,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    block_q_sub: int | None = None,
+    soft_cap: float | None = None,
+    segment_ids=None,
+    sinks=None,
+    vmem_limit: int | None = None,
+    interpret: bool = False,
+):
+    """Attention over the active blocks: q (Hq, Lq, D), k (Hkv, Lkv, D) scaled by the softmax scale
+    times LOG2E, v (Hkv, Lkv, Dv), lengths multiples of the blocks; `grid` the tables of
+    `active_grid` (one list shared by every head, or one per head), segment_ids (q_ids (Lq,),
+    kv_ids (Lkv,)) int32, sinks (Hq,) float32 in base 2. `mask` (a structured mask of
+    `structured_masks`) is evaluated on partial blocks only, with keys at or past kv_len hidden;
+    soft_cap in base 2 (the natural cap times LOG2E). Returns out (Hq, Lq, Dv) in q's dtype and the
+    logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
+    num_heads, q_len, head_dim = q.shape
+    kv_heads, _, head_dim_v = v.shape
+    group = num_heads // kv_heads
+    if block_q_sub and (block_q // block_q_sub) * (block_kv // block_kv_compute) > MAX_TILES:
+        raise ValueError(f"{block_q}x{block_kv} blocks in {block_q_sub}x{block_kv_compute} tiles: at most {MAX_TILES}")
+    if vmem_limit is None:
+        vmem_limit = vmem_bytes(block_q, block_kv, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize)
+    q_block, kv_block, flags, sub_kinds = grid
+    per_head_lists = q_block.shape[0] > 1
+    width = q_block.shape[1]
+    if segment_ids is not None:
+        flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
+    tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
+
+    def entry(h, n):
+        return (h * width if per_head_lists else 0) + n
+
+    def q_map(h, n, qb, kb, fl, sk):
+        return h, qb[entry(h, n)], 0
+
+    def kv_map(h, n, qb, kb, fl, sk):
+        # not `//`: its floor-division lowering asks for the TPU's generation, which an export
+        # without a TPU does not have (jax 0.12); heads are >= 0, so truncation is the same
+        return lax.div(h, np.int32(group)), kb[entry(h, n)], 0
+
+    def lse_map(h, n, qb, kb, fl, sk):
+        return h, 0, qb[entry(h, n)]
+
+    in_specs, inputs = [], []
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        inputs.append(sinks.astype(jnp.float32))
+    in_specs += [
+        pl.BlockSpec((None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, block_kv, head_dim), kv_map),
+        pl.BlockSpec((None, block_kv, head_dim_v), kv_map),
+    ]
+    inputs += [q, k, v]
+    if segment_ids is not None:
+        q_ids, kv_ids = segment_ids
+
+        def q_ids_map(h, n, qb, kb, fl, sk):
+            return qb[entry(h, n)], 0
+
+        def kv_ids_map(h, n, qb, kb, fl, sk):
+            return 0, kb[entry(h, n)]
+
+        in_specs += [pl.BlockSpec((block_q, 1), q_ids_map), pl.BlockSpec((1, block_kv), kv_ids_map)]
+        inputs += [q_ids.reshape(-1, 1), kv_ids.reshape(1, -1)]
+    body = functools.partial(
+        _forward_kernel,
+        mask=mask,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv_compute,
+        block_q_sub=block_q_sub,
+        soft_cap=soft_cap,
+        has_segment_ids=segment_ids is not None,
+        has_sinks=sinks is not None,
+        per_head_lists=per_head_lists,
+        width=width,
+    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_heads, width),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, block_q, head_dim_v), q_map), pl.BlockSpec((None, 1, block_q), lse_map)],
+        scratch_shapes=[
+            pltpu.VMEM((block_q, LANES), jnp.float32),
+            pltpu.VMEM((block_q, LANES), jnp.float32),
+            pltpu.VMEM((block_q, head_dim_v), jnp.float32),
+        ],
+    )
+    out, lse = pl.pallas_call(
+        body,
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((num_heads, q_len, head_dim_v), q.dtype),
+            jax.ShapeDtypeStruct((num_heads, 1, q_len), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
+        ),
+        interpret=interpret,
+        name="active_forward",
+    )(*tables, *inputs)
+    return out, lse[:, 0]
