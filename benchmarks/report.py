@@ -693,11 +693,14 @@ def _tpu_check(r: dict) -> str:
         "overran VMEM, it did not compile). MXU: the forward's matmul flops over its time and the chip's "
         "measured matmul rate. The estimate is `torch_splash_jax.tpu_time`'s (libtpu named below), from the "
         "compiler's schedule without a TPU: the forward kernel, and the step's kernels (without the XLA ops around "
-        "them: below); its error is estimate / measured - 1.",
+        "them: below); its error is estimate / measured - 1. The active forward is the plan with "
+        '`BlockSizes(forward_kernel="active")`: the project\'s own forward (`torch_splash_jax.active_kernels`), '
+        "the backward JAX's; blank where it does not serve the call.",
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
-        "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error "
+        "| active forward | active / plan (forward) | MXU (active forward) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     estimates = _chip_estimates(r)
 
@@ -723,10 +726,15 @@ def _tpu_check(r: dict) -> str:
         flops = forward_flops(call) if call else None
         mxu = f"{flops / (plan['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate and "forward_ms" in plan else ""
         shown, errors = estimated(row["name"], "forward", "step")
+        active = v.get("plan, active forward", {})
+        faster, active_mxu = "", ""
+        if "forward_ms" in active and "forward_ms" in plan:
+            faster = f"{active['forward_ms'] / plan['forward_ms']:.2f}x"
+            active_mxu = f"{flops / (active['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
         lines.append(
             f"| {row['name']} | {pair(plan)} | {layout} | {pair(maxtext)} | {ratio} | "
             f"{pair(v.get(PLAN_BLOCKS, {}))} | {pair(v.get('XLA dense', {}))} | {mxu} | "
-            f"{shown} | {errors} |"
+            f"{shown} | {errors} | {pair(active)} | {faster} | {active_mxu} |"
         )
     lines += [
         "",

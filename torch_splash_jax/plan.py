@@ -209,6 +209,13 @@ def plan(
     )
 
 
+def with_forward_kernel(plan: Plan, kernel: str) -> Plan:
+    """The same plan with another forward kernel ("splash" or "active"), checked as `plan` checks it."""
+    if kernel == "active":
+        _check_active(plan.mask, plan.q_shards, plan.head_shards, plan.context_parallel)
+    return dataclasses.replace(plan, forward_kernel=kernel)
+
+
 def _check_active(mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
     """The calls the active-block forward serves: one structured mask every head shares, on one device."""
     shared = shared_structured_mask(mask)

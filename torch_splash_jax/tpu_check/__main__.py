@@ -299,7 +299,9 @@ def _write(results: dict, options) -> pathlib.Path:
         results["machine"] = f"one {chip['device_kind']} chip" + (
             f" ({chip['generation']})" if chip["generation"] else ""
         )
-        results["stack"] = f"Python {sys.version.split()[0]}, jax {chip['jax']}, libtpu {chip['libtpu']}"
+        # the chip's process's Python (an estimates-only run adds to a file another machine wrote)
+        python = chip.get("python") or results.get("stack", "").partition(",")[0].removeprefix("Python ")
+        results["stack"] = f"Python {python or sys.version.split()[0]}, jax {chip['jax']}, libtpu {chip['libtpu']}"
     path = _results_path(options, results) or ROOT / "benchmarks" / "results" / "tpu_check_unknown.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import platform as platform_module
 import time
 import traceback
 
@@ -21,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import compat
-from ..plan import Plan
+from ..errors import SplashConstraintError
+from ..plan import Plan, with_forward_kernel
 from ..program_cache import program as cached_program
 from ..splash_program import Program
 from . import baselines
@@ -128,33 +130,51 @@ def fidelity(calls: list[Call], platform: str, compiler: _Compiler) -> None:
     for call in calls:
         try:
             plan = call.plan(platform)
-            program = cached_program(plan)
             named = inputs(call)
-            args = _named_arrays(call, program, named, "forward")
             gradients = call.kernel != "decode"
-            if gradients:
-                compiler.submit((call.name, "kernel"), _step(program), [*args, named["d_out"]])
-                compiler.submit((call.name, "forward"), program.forward, args)
-            else:
-                compiler.submit((call.name, "kernel"), program.forward, args)
-            prepared.append((call, named, args, gradients))
+            for name, kernel, program in _programs(call, plan):
+                args = _named_arrays(call, program, named, "forward")
+                if gradients:
+                    compiler.submit((name, "kernel"), _step(program), [*args, named["d_out"]])
+                    compiler.submit((name, "forward"), program.forward, args)
+                else:
+                    compiler.submit((name, "kernel"), program.forward, args)
+                prepared.append((call, name, kernel, named, args, gradients))
         except Exception as error:  # a refusal (SplashError) or anything else: the case fails
             emit(fidelity=dict(name=call.name, kernel=call.kernel, dtype=call.dtype, error=_error(error), passed=False))
-    for call, named, args, gradients in prepared:
-        row = dict(name=call.name, kernel=call.kernel, dtype=call.dtype, tolerance=TOLERANCE)
+    for call, name, kernel, named, args, gradients in prepared:
+        row = dict(name=name, kernel=kernel, dtype=call.dtype, tolerance=TOLERANCE)
         try:
             expected = reference(call, named, gradients)
             if gradients:
-                out = compiler.get((call.name, "forward"))(*args)[0]
-                grads = compiler.get((call.name, "kernel"))(*args, named["d_out"])
+                out = compiler.get((name, "forward"))(*args)[0]
+                grads = compiler.get((name, "kernel"))(*args, named["d_out"])
                 found = dict(out=out, **dict(zip(["dq", "dk", "dv", "d_sinks"], grads)))
             else:
-                found = dict(out=compiler.get((call.name, "kernel"))(*args)[0])
+                found = dict(out=compiler.get((name, "kernel"))(*args)[0])
             errors = {name: relative_error(found[name], expected[name]) for name in expected}
             row.update(errors=errors, passed=all(e <= TOLERANCE for e in errors.values()))
         except Exception as error:
             row.update(error=_error(error), passed=False)
         emit(fidelity=row)
+
+
+def _programs(call: Call, plan) -> list:
+    """(row name, kernel, program) of a fidelity case: its plan's, and for a splash call the
+    active-block forward's (`active_kernels`) where it serves the call."""
+    programs = [(call.name, call.kernel, cached_program(plan))]
+    active = _active(plan) if call.kernel != "decode" else None
+    if active is not None:
+        programs.append((f"{call.name}, active forward", "active", cached_program(active)))
+    return programs
+
+
+def _active(plan):
+    """The plan with the active-block forward, None where that forward does not serve it."""
+    try:
+        return with_forward_kernel(plan, "active")
+    except SplashConstraintError:
+        return None
 
 
 def _variants(call: Call, platform: str) -> dict:
@@ -181,6 +201,14 @@ def _variants(call: Call, platform: str) -> dict:
     else:
         program = cached_program(plan)
         variants["plan"] = (program.forward, _step(program), lambda n: _named_arrays(call, program, n, "forward"))
+        active = _active(plan)
+        if active is not None:
+            fast = cached_program(active)
+            variants["plan, active forward"] = (
+                fast.forward,
+                _step(fast),
+                lambda n: _named_arrays(call, fast, n, "forward"),
+            )
         if plan.batch > 1 and plan.batch_in_heads and plan.num_kv_heads > 1:
             loop = Program(plan, batch_in_heads=False)
             variants["plan, a call per batch element"] = (
@@ -281,6 +309,7 @@ def run(parts: list[str], fidelity_calls: list[Call], timing_calls: list[Call], 
             platform=device.platform,
             device_kind=device.device_kind,
             generation=generation(device),
+            python=platform_module.python_version(),
             jax=compat.installed("jax"),
             jaxlib=compat.installed("jaxlib"),
             libtpu=compat.installed("libtpu") or compat.installed("libtpu-nightly"),
