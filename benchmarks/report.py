@@ -793,6 +793,52 @@ def _real_chip_calibration(r: dict) -> list[str]:
     ]
 
 
+def _active_forward(r: dict) -> str:
+    from torch_splash_jax.tpu_check.cases import by_name, forward_flops
+    from torch_splash_jax.tpu_time.chips import chip as generation_chip
+
+    calls, measured = by_name(), {}
+    chip_file = RESULTS / "tpu_check_v5e.json"
+    if chip_file.exists():  # the same calls measured on the lent v5e: the estimates' error there
+        for row in json.loads(chip_file.read_text())["timing"]:
+            v = row["variants"]
+            measured[row["name"]] = {
+                "plan": v.get("plan", {}).get("forward_ms"),
+                "active": v.get("plan, active forward", {}).get("forward_ms"),
+            }
+    generations = sorted({row["generation"] for row in r["rows"]}, key=["v5e", "v5p", "v6e", "v7x"].index)
+    lines = [
+        "Forward kernel, estimated ms: the plan's JAX splash forward / the active-block forward (their ratio; the "
+        "active forward's MXU use, the call's attention flops over its time at the generation's peak; its binding "
+        "unit, by the estimate). On v5e, the estimate's error against the chip's measured forward (tpu_check's "
+        "run), plan / active.",
+        "",
+        "| call | " + " | ".join(generations) + " | v5e error, plan / active |",
+        "|---|" + "---|" * (len(generations) + 1),
+    ]
+    rows = {(row["name"], row["generation"]): row for row in r["rows"]}
+    for name in dict.fromkeys(row["name"] for row in r["rows"]):
+        cells = []
+        for generation in generations:
+            row = rows.get((name, generation), {})
+            plan, active = row.get("plan", {}), row.get("active", {})
+            if "seconds" not in plan or "seconds" not in active:
+                cells.append((plan.get("error") or active.get("error") or "")[:60])
+                continue
+            flops = forward_flops(calls[name]) if name in calls else None
+            mxu = f"{flops / active['seconds'] / generation_chip(generation).peak_flops:.0%}, " if flops else ""
+            cells.append(
+                f"{plan['seconds'] * 1e3:.2f} / {active['seconds'] * 1e3:.2f} "
+                f"({active['seconds'] / plan['seconds']:.2f}x; {mxu}{active['binding_unit']})"
+            )
+        error = ""
+        on_chip, v5e = measured.get(name, {}), rows.get((name, "v5e"), {})
+        if all(on_chip.get(k) and "seconds" in v5e.get(k, {}) for k in ("plan", "active")):
+            error = " / ".join(_pct(v5e[k]["seconds"] * 1e3 / on_chip[k] - 1) for k in ("plan", "active"))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
+    return "\n".join(lines)
+
+
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them
 SECTIONS = {
     "tpu_check_v5e": (
@@ -803,6 +849,15 @@ SECTIONS = {
         "over back-to-back calls of one compiled program, the minimum of five repetitions after a warm-up; every "
         "program is compiled before the first is timed.",
         _tpu_check,
+    ),
+    "active_forward": (
+        "The active-block forward against JAX's splash forward, per TPU generation (estimated, no TPU)",
+        'The project\'s own forward kernel (`BlockSizes(forward_kernel="active")`, docs/tpu.md) against the '
+        "plan's JAX splash forward on the training calls of tpu_check's table, each generation's kernel estimated "
+        "from libtpu's schedule without a TPU (torch_splash_jax.tpu_time: an estimate, with what it leaves out). "
+        "With segment ids the estimate counts the block kinds made on the host, an upper bound on the full "
+        "blocks the kernel finds on the device.",
+        _active_forward,
     ),
     "bridge": (
         "The bridge's cost over calling the JAX kernel directly (CPU, interpret mode)",

@@ -219,3 +219,18 @@ def test_an_unknown_forward_kernel_is_refused():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
     with pytest.raises(torch_splash.SplashConstraintError, match="forward_kernel='fast'"):
         torch_splash.attention(q, k, v, "causal", block_sizes=torch_splash_jax.BlockSizes(forward_kernel="fast"))
+
+
+def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
+    from torch_splash_jax.tpu_time import active_work
+
+    plan = torch_splash_jax.plan(
+        q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
+        block_sizes=ACTIVE,
+    )  # fmt: skip
+    active = torch_splash_jax.program(plan).active
+    work = active_work(active.grid, active.blocks, units=8, head_dim=128, head_dim_v=128, itemsize=2)
+    assert (work.steps, work.first, work.full, work.partial) == (3, 2, 1, 2)
+    # 16 tiles a block, each with its unmasked and its masked path: the two diagonal blocks take 6
+    # tiles wholly below the diagonal and 4 across it each
+    assert len(work.tiles) == 32 and sum(work.tiles[::2]) == 12 and sum(work.tiles[1::2]) == 8

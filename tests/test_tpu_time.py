@@ -366,3 +366,21 @@ def test_v5e_s_clock_factor_is_the_one_the_real_chip_fits():
     assert sum(r.program == "forward" for r in rows) >= 10
     assert tpu_time.CLOCK_FACTOR["v5e"] == pytest.approx(real_chip.fitted_factor(rows), abs=1e-4)
     assert all(abs(e) < 0.2 for e in real_chip.errors(rows, tpu_time.CLOCK_FACTOR["v5e"], "forward"))
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_the_active_forward_is_estimated_by_the_tiles_its_blocks_take():
+    """The active-block forward (BlockSizes(forward_kernel="active")): one grid step per active
+    block, and of a partial block only the tiles its kinds take. Causal 4096 tokens in 2048 x 2048
+    blocks: one full block and two diagonal ones, each taking 10 of its 16 tiles of 512 x 512."""
+    active = torch_splash_jax.BlockSizes(forward_kernel="active")
+    shape = dict(q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", block_sizes=active)
+    (causal,) = _estimate("v5e", False, mask=torch_splash_jax.CausalMask(), **shape).kernels
+    (full,) = _estimate("v5e", False, mask=torch_splash_jax.FullMask(), **shape).kernels
+    assert causal.kind == full.kind == "forward"
+    assert (causal.steps, causal.rows) == (8 * 3, 8 * 2) and (full.steps, full.rows) == (8 * 4, 8 * 2)
+    assert causal.flops == 2.0 * 8 * (2048 * 2048 + 2 * 10 * 512 * 512) * 256
+    assert full.flops == 2.0 * 8 * 4 * 2048 * 2048 * 256
+    # the work is 56% of the full mask's; the skipped tiles must not be counted
+    assert 0.45 < causal.schedule_seconds / full.schedule_seconds < 0.7

@@ -8,8 +8,10 @@ mask work at all. Logits are kept in base 2: the caller folds log2(e) into the k
 cap and sinks scaled to match, `LOG2E`), so each score costs one `exp2` where `exp` would cost a
 multiply and an exponent; the logsumexp handed back is in natural log.
 
-Tables (int32, scalar-prefetched into SMEM): per entry of a head's list, its q block, its kv block
-and flags (`KIND` bits: skip, partial, full; `FIRST` and `LAST` of its row). Every q block has at
+Tables (int32, scalar-prefetched into SMEM): per entry of a head's list, its q block, its kv block,
+flags (`KIND` bits: skip, partial, full; `FIRST` and `LAST` of its row) and its tiles' kinds (2 bits
+a tile: a partial block runs in tiles of block_q_sub rows and block_kv_compute keys, and a tile the
+mask leaves empty runs nothing, one it fills runs without mask work). Every q block has at
 least one entry, so every output block is written (a row with no allowed key writes 0 and a
 logsumexp of -inf). Heads that share one mask share one list; with per-head lists the shorter
 ones end in entries that repeat their last block with nothing to do (no fetch, no work).
@@ -70,10 +72,11 @@ def _fit_lanes(x, width: int):
 
 
 def active_grid(kinds: np.ndarray, tile_kinds: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """(q block, kv block, flags), each (G, N) int32, from block kinds (G, nq, nkv) (0 empty, 1
-    partial, 2 full): each of G lists walks its non-empty blocks row after row; a row with none
-    gets one entry of kind SKIP; shorter lists are padded with entries repeating their last
-    block, flags 0."""
+    """(q block, kv block, flags, tile kinds), each (G, N) int32, from block kinds (G, nq, nkv) (0
+    empty, 1 partial, 2 full): each of G lists walks its non-empty blocks row after row; a row with
+    none gets one entry of kind SKIP; shorter lists are padded with entries repeating their last
+    block, flags 0. tile_kinds: the same kinds at tile granularity, (G, nq * R, nkv * C) for R x C
+    tiles a block, packed 2 bits a tile row-major (none: zeros)."""
     lists = []
     for table in kinds:
         rows, cols, flags = [], [], []

@@ -91,7 +91,8 @@ class Program(KernelTables):
         self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self._layout = None  # _residual_layout
-        self._active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
+        # The active-block forward (active_kernels), where the plan asks for it; None where JAX's runs.
+        self.active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
@@ -203,9 +204,9 @@ class Program(KernelTables):
 
     def _forward(self, q, k, v, ids, sinks, tables):
         """The kernels' output and logsumexp, (B, Hq, Lq padded[, Dv])."""
-        if self._active is not None:
+        if self.active is not None:
             per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks, self.plan.scale * active_kernels.LOG2E)
-            out, lse = self._each_call(functools.partial(self._active, sinks), per_call)
+            out, lse = self._each_call(functools.partial(self.active, sinks), per_call)
             return self._per_batch(out, q.shape[0]), self._per_batch(lse, q.shape[0])
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
         kernel, table_arrays = self._kernel_for(tables)
@@ -267,7 +268,7 @@ class Program(KernelTables):
         q, k, v, ids, sinks, tables, _ = self._named("infer", arrays)
         if self.no_pairs:
             return self._nothing_visible(q, v)[0]
-        if self.rows_may_be_empty or self._active is not None:
+        if self.rows_may_be_empty or self.active is not None:
             return self._finish(*self._forward(q, k, v, ids, sinks, tables)).astype(q.dtype)
         kernel, _ = self._kernel_for(tables)
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)

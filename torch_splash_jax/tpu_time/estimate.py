@@ -47,7 +47,7 @@ from . import schedule as schedule_lib
 from .chips import chip
 from .libtpu import compile_schedules, environment, estimator_libtpu_dir, libtpu_release
 from .schedule import Schedule, ScheduleError
-from .work import Work, tables_work
+from .work import Work, active_work, tables_work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +114,11 @@ def roles(schedule: Schedule) -> list[tuple[schedule_lib.Region, str, int]]:
 
     role: "always" (every step), "first" / "last" (the first and last step along the reduction
     axis), "run" (a block not skipped), or "full" and "partial" when the kernel has one region for
-    each, in that order (tokamax's kernels; JAX's have one run region). A region that wraps the
-    block's whole work counts its own bundles on every step. Nested regions inside a leaf are
-    counted as taken.
+    each, in that order (tokamax's kernels and the active-block forward; JAX's have one run region).
+    A region that wraps the block's whole work counts its own bundles on every step. A partial
+    region whose own regions hold matmuls runs its blocks in tiles (the active-block forward): its
+    children are "tile0", "tile1", ... (`Work.tiles` counts them). Other nested regions inside a
+    leaf are counted as taken.
     """
     out = []
 
@@ -140,6 +142,10 @@ def roles(schedule: Schedule) -> list[tuple[schedule_lib.Region, str, int]]:
         for index, region in enumerate(regions):
             if region.matmuls:
                 role = names[work.index(region)]
+                if role == "partial" and any(child.matmuls for child in region.children):
+                    out.append((region, role, region.own_bundles))
+                    out.extend((child, f"tile{i}", child.bundles) for i, child in enumerate(region.children))
+                    continue
             else:
                 role = "first" if index < first else "last" if index > last else "always"
             out.append((region, role, region.bundles))
@@ -168,7 +174,11 @@ def kernel_time(
         "run": work.run,
         "full": work.full,
         "partial": work.partial,
+        **{f"tile{i}": taken for i, taken in enumerate(work.tiles)},
     }
+    tiled = [role for _, role, _ in roles(schedule) if role.startswith("tile")]
+    if len(tiled) != len(work.tiles):
+        raise ScheduleError(f"{schedule.name}: {len(tiled)} tile regions, and the work counts {len(work.tiles)} tiles")
     per_unit = work.steps * schedule.base_bundles
     used = np.zeros(len(schedule.unit_names))
     for region, role, bundles in roles(schedule):
@@ -249,6 +259,8 @@ def kernel_output_bytes(hlo_text: str, name: str) -> int:
 def kernel_kind(name: str) -> str:
     """ "forward", "dq", "dkv" or "decode" from a kernel's name (splash_mha_fwd..., splash_mqa_dkv...,
     splash_decode)."""
+    if re.search(r"(^|_)active_forward", name):  # the active-block forward (active_kernels)
+        return "forward"
     found = re.search(r"splash_(?:m[hq]a_(fwd|dq|dkv)|(decode))", name)  # traced: jvp_vmap_splash_mha_fwd...
     if found is None:
         raise ScheduleError(f"kernel {name}: not a splash forward, dq, dkv or decode kernel")
@@ -277,11 +289,14 @@ def splash_works(program) -> dict[str, Work]:
     common = dict(
         units=p.batch * p.num_q_heads, head_dim=p.head_dim, head_dim_v=p.head_dim_v, itemsize=_itemsize(p.dtype)
     )
-    works = {
-        "forward": tables_work(
-            infos["forward"].block_mask, "forward", block_q=blocks["block_q"], block_kv=blocks["block_kv"], **common
-        )
-    }
+    if program.active is not None:  # the active-block forward
+        works = {"forward": active_work(program.active.grid, program.active.blocks, **common)}
+    else:
+        works = {
+            "forward": tables_work(
+                infos["forward"].block_mask, "forward", block_q=blocks["block_q"], block_kv=blocks["block_kv"], **common
+            )
+        }
     if infos.get("dq") is not None:
         works["dq"] = tables_work(
             infos["dq"].block_mask, "dq", block_q=blocks["block_q_dq"], block_kv=blocks["block_kv_dq"], **common

@@ -25,6 +25,9 @@ class Work:
     partial: int
     flops: float  # the useful MXU work of the whole call (blocks computed)
     read_bytes: float  # what the whole call reads from HBM (its writes are its outputs' bytes)
+    # A kernel whose partial blocks run in tiles (the active-block forward): per tile, in the
+    # kernel's order, how many partial blocks take its unmasked and its masked path.
+    tiles: tuple = ()
 
     @property
     def run(self) -> int:
@@ -184,4 +187,41 @@ def tables_work(
         partial=per_head((table == 1).sum()),
         flops=units * per_head(blocks) * flops,
         read_bytes=float(units * (per_head(blocks) * moved + rows * row)),
+    )
+
+
+def active_work(grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: int, itemsize: int) -> Work:
+    """The active-block forward's work (`torch_splash_jax.active_kernels`) from its block list
+    (q block, kv block, flags, tile kinds; one list shared by the `units`) and its blocks. Segment
+    ids refine the kinds on the device: this counts the host's kinds, an upper bound on the full
+    blocks."""
+    from ..active_kernels import FIRST, FULL, KIND, PARTIAL
+
+    _, _, flags, tile_kinds = (np.asarray(t)[0] for t in grid)
+    kind = flags & KIND
+    block_q, block_kv = blocks["block_q"], blocks["block_kv"]
+    rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
+    count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] else 0
+    partial_tiles = tile_kinds[kind == PARTIAL]
+    tiles = []
+    for i in range(count):
+        taken = (partial_tiles >> (2 * i)) & KIND
+        tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
+    tile_area = sum(tiles) * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
+    area = int((kind == FULL).sum()) * block_q * block_kv + tile_area
+    runs = int(((kind == FULL) | (kind == PARTIAL)).sum())
+    row_count = int(((flags & FIRST) != 0).sum())
+    return Work(
+        kind="forward",
+        units=units,
+        steps=int(flags.size),
+        first=row_count,
+        last=row_count,
+        full=int((kind == FULL).sum()),
+        partial=int((kind == PARTIAL).sum()),
+        flops=2.0 * units * area * (head_dim + head_dim_v),
+        read_bytes=float(
+            units * (row_count * block_q * head_dim + runs * block_kv * (head_dim + head_dim_v)) * itemsize
+        ),
+        tiles=tuple(tiles),
     )

@@ -1,0 +1,89 @@
+"""The active-block forward against the plan's JAX splash forward, per TPU generation, estimated from
+the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `tpu_check`'s table
+(B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x. Every figure
+is an estimate (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also
+measured (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both kernels.
+For segment ids the estimate counts the host's block kinds, an upper bound on the full blocks the
+kernel finds on the device.
+
+    ./dev.sh bench-active-forward            # 10 calls x 4 generations x 2 kernels: about 15 minutes on 2 cores
+    ./dev.sh bench-active-forward --quick    # one call on v5e
+
+Writes benchmarks/results/active_forward.json (or active_forward_quick.json). Runs in the current set
+(libtpu 0.0.52 knows v7x).
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import sys
+
+import report  # benchmarks/report.py: results files and their tables
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
+QUICK_GENERATIONS = ("v5e",)
+QUICK_CALLS = ("B=4 causal 1K 16/16 D128",)
+
+
+def _libtpu_dir() -> str:
+    import sysconfig
+
+    return os.environ.get("TORCH_SPLASH_LIBTPU_DIR") or sysconfig.get_paths()["purelib"]
+
+
+def _calls(quick: bool) -> list:
+    from torch_splash_jax.tpu_check.cases import TRAINING
+
+    calls = list(TRAINING)
+    return [c for c in calls if c.name in QUICK_CALLS] if quick else calls
+
+
+def _estimate(call, generation: str, active: bool) -> dict:
+    """The forward kernel's estimate of the call's plan, or of that plan with the active-block forward."""
+    from torch_splash_jax import tpu_time
+    from torch_splash_jax.plan import with_forward_kernel
+
+    plan = call.plan("tpu")
+    if active:
+        plan = with_forward_kernel(plan, "active")
+    try:
+        estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=False, libtpu_dir=_libtpu_dir())
+    except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
+        return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
+    (kernel,) = [k for k in estimate.kernels if k.kind == "forward"]
+    return dict(
+        seconds=kernel.seconds,
+        schedule=kernel.schedule_seconds,
+        hbm=kernel.hbm_seconds,
+        mxu=kernel.mxu_utilization,
+        binding_unit=kernel.binding_unit,
+        flops=kernel.flops,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    options = parser.parse_args()
+    generations = QUICK_GENERATIONS if options.quick else GENERATIONS
+    jobs = [(call, g, active) for call in _calls(options.quick) for g in generations for active in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(options.workers) as pool:
+        found = list(pool.map(lambda job: _estimate(*job), jobs))
+    rows = {}
+    for (call, generation, active), result in zip(jobs, found):
+        row = rows.setdefault((call.name, generation), dict(name=call.name, generation=generation))
+        row["active" if active else "plan"] = result
+        print(json.dumps(dict(name=call.name, generation=generation, active=active, **result)), flush=True)
+    from torch_splash_jax import tpu_time
+
+    results = dict(rows=list(rows.values()), libtpu=tpu_time.ESTIMATOR_LIBTPU)
+    report.save("active_forward", results, options.quick, "./dev.sh bench-active-forward")
+
+
+if __name__ == "__main__":
+    main()
