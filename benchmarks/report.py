@@ -781,11 +781,16 @@ def _real_chip_calibration(r: dict) -> list[str]:
         errs = real_chip.errors(rows, factor, program, with_rest)
         return f"median {_pct(sorted(errs)[len(errs) // 2])}, {min(errs):+.0%} to {max(errs):+.0%}"
 
+    every_run = real_chip.all_measured_rows(r)
+    runs = 1 + len(r.get("earlier_runs", []))
     return [
         "",
         f"The estimates: libtpu {ESTIMATOR_LIBTPU}'s schedules (the estimator's), at {generation}'s clock factor "
-        f"{factor:.4f}, which these forwards fit (torch_splash_jax.tpu_time.real_chip: tokamax measured no v5e "
-        f"attention; the fit gives {real_chip.fitted_factor(rows):.4f}). The forward kernel against the measured "
+        f"{factor:.4f}, which the forwards of this run and the earlier ones on the chip fit "
+        f"(torch_splash_jax.tpu_time.real_chip: tokamax measured no v5e attention; {runs} runs, "
+        f"{sum(m.program == 'forward' for m in every_run)} forwards: the fit gives "
+        f"{real_chip.fitted_factor(every_run):.4f}; this run's alone {real_chip.fitted_factor(rows):.4f}). "
+        "This run's forward kernels against the measured "
         f"forward: {spread('forward')}; the step's kernels against the measured step (which also runs the XLA ops "
         f"around them): {spread('step')}; adding XLA's own estimate of those ops: {spread('step', True)}, so XLA's "
         f"estimate overshoots them. Decode and prefill, bound by HBM, where the estimate adds schedule and HBM time: "

@@ -2,10 +2,11 @@
 same programs (by the estimator's own libtpu), and the clock factor they fit.
 
 tokamax measured no attention kernel on v5e, so v5e's clock factor (`chips.CLOCK_FACTOR`) comes
-from here: the real v5e's training forwards (benchmarks/results/tpu_check_v5e.json), each a
-splash forward kernel and little else, as `calibration.factor_of` fits tokamax's entries on the
-other generations (at the shared row stall). Steps (forward and backward, with the XLA ops around
-the kernels) and decode calls are reported beside them, not fitted: a step's time also holds the
+from here: the real v5e's training forwards (benchmarks/results/tpu_check_v5e.json, its run and
+the earlier runs it keeps), each a splash forward kernel and little else, as
+`calibration.factor_of` fits tokamax's entries on the other generations (at the shared row stall).
+Steps (forward and backward, with the XLA ops around the kernels) and decode calls are reported
+beside them, not fitted: a step's time also holds the
 XLA ops, which XLA's own estimate counts (`Estimate.rest_seconds`), and a decode call is bound by
 HBM, where the estimate's sum of schedule and HBM time (estimate.py) leaves out their overlap.
 """
@@ -36,8 +37,14 @@ class Measured:
         return self.schedule * factor + self.hbm + self.rows * ROW_STALL + (self.rest if with_rest else 0.0)
 
 
+def all_measured_rows(results: dict, libtpu: str = ESTIMATOR_LIBTPU) -> list[Measured]:
+    """`measured_rows` of a results file's run and of the earlier runs it keeps ("earlier_runs":
+    the same chip's, each with its timing and estimates): what the clock factor is fitted to."""
+    return [row for run in (results, *results.get("earlier_runs", [])) for row in measured_rows(run, libtpu)]
+
+
 def measured_rows(results: dict, libtpu: str = ESTIMATOR_LIBTPU) -> list[Measured]:
-    """The timed programs of a tpu_check results file that `libtpu`'s estimate covers."""
+    """The timed programs of a tpu_check run that `libtpu`'s estimate covers."""
     rows = []
     for row in results.get("timing", []):
         estimate = next((e for e in row.get("estimates", []) if e.get("libtpu") == libtpu), None)
