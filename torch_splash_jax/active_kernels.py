@@ -32,12 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import compat
+from .decode_kernel import MASKED  # exp2(MASKED - m) is 0 for any real maximum m, MASKED - MASKED is 0
+from .kernel_limits import LANES  # row statistics are kept lane-dense, (rows, LANES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Large and finite: exp2(MASKED - m) is 0 for any real maximum m, and MASKED - MASKED is 0, not NaN.
-MASKED = -0.7 * float(np.finfo(np.float32).max)
-LANES = 128  # row statistics are kept lane-dense, (rows, 128), as the TPU's vector registers hold them
 
 SKIP, PARTIAL, FULL = 0, 1, 2  # an entry's kind: the block kinds of tables.block_mask_table
 KIND = 3

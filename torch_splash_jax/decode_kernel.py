@@ -29,9 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .kernel_limits import LANES  # row statistics are kept lane-dense, (rows, LANES)
+
 # Large and finite: exp(MASKED - m) is 0 for any real maximum m, and MASKED - MASKED is 0, not NaN.
 MASKED = -0.7 * float(np.finfo(np.float32).max)
-LANES = 128  # row statistics are kept lane-dense, (rows, 128), as the TPU's vector registers hold them
 
 
 def block_range(row_ranges, batch_ranges, b, rb, s, splits: int):

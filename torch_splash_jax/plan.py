@@ -218,9 +218,8 @@ def with_forward_kernel(plan: Plan, kernel: str) -> Plan:
 
 def _check_active(mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
     """The calls the active-block forward serves: one structured mask every head shares, on one device."""
-    shared = shared_structured_mask(mask)
     why = None
-    if shared is None or not shared.computable:
+    if shared_structured_mask(mask) is None:
         why = f"the mask {mask!r} is not one structured mask shared by every head"
     elif q_shards > 1 or head_shards > 1 or context_parallel == "ring":
         why = "the call is sharded over devices"
