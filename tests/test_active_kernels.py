@@ -1,8 +1,8 @@
-"""The active-block forward (`torch_splash_jax.active_kernels`, `BlockSizes(forward_kernel="active")`),
-in Pallas interpret mode on the CPU: the kernel against a float64 softmax reference (output and
-logsumexp), its tables and blocks, and whole calls through `torch_splash.attention` against SDPA
-with gradients (the backward is JAX's dq/dkv kernels, fed the new forward's output and logsumexp).
-Its Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
+"""The active-block kernels (`torch_splash_jax.active_kernels`, `BlockSizes(forward_kernel="active")`),
+in Pallas interpret mode on the CPU: the forward against a float64 softmax reference (output and
+logsumexp) and the backward against float64 gradients, their tables and blocks, and whole calls
+through `torch_splash.attention` against SDPA with gradients (either kernel beside JAX's other).
+Their Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +14,7 @@ import torch_splash
 import torch_splash_jax
 from torch_splash_jax import active_kernels, tables
 from torch_splash_jax import structured_masks as sm
-from torch_splash_jax.block_planning import active_forward_blocks
+from torch_splash_jax.block_planning import active_backward_blocks, active_forward_blocks
 
 ACTIVE = torch_splash_jax.BlockSizes(forward_kernel="active")
 
@@ -111,6 +111,83 @@ def test_the_active_forward_matches_a_float64_softmax(case):
     np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
 
 
+def _float64_gradients(q, k, v, d_out, allowed, scale, soft_cap=None, sinks=None):
+    """(lse, di, dq, dk, dv) of softmax attention in float64 for the cotangent d_out: lse +inf on
+    rows with no allowed key (as the backward takes it), di the rows' sums of out * d_out."""
+    group = q.shape[0] // k.shape[0]
+    kr, vr = np.repeat(k, group, 0), np.repeat(v, group, 0)
+    s = np.einsum("hqd,hkd->hqk", q, kr) * scale
+    t = np.tanh(s / soft_cap) if soft_cap else None
+    s = np.where(allowed, soft_cap * t if soft_cap else s, -np.inf)
+    full = s if sinks is None else np.concatenate([s, np.broadcast_to(sinks[:, None, None], s.shape[:2] + (1,))], -1)
+    m = full.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(full - m)
+    total = np.maximum(e.sum(-1, keepdims=True), np.finfo(np.float64).tiny)
+    p = (e / total)[..., : s.shape[-1]]
+    di = (d_out * np.einsum("hqk,hkd->hqd", p, vr)).sum(-1)
+    ds = p * (np.einsum("hqd,hkd->hqk", d_out, vr) - di[..., None])
+    if soft_cap:
+        ds = ds * (1 - t * t)
+    dq = np.einsum("hqk,hkd->hqd", ds, kr) * scale
+    dk = (np.einsum("hqk,hqd->hkd", ds, q) * scale).reshape(k.shape[0], group, *k.shape[1:]).sum(1)
+    dv = np.einsum("hqk,hqd->hkd", p, d_out).reshape(v.shape[0], group, *v.shape[1:]).sum(1)
+    lse = np.where(allowed.any(-1) | (sinks is not None), (m + np.log(total))[..., 0], np.inf)
+    return lse, di, dq, dk, dv
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
+def test_the_active_backward_matches_float64_gradients(case):
+    """float32 inputs, the float64 logsumexp and row sums given: dq, dk, dv within 1e-5 of the
+    largest gradient (measured at most 2.3e-6: float32 sums of a few hundred products). The cases
+    walk dq's in-place accumulation through its three paths: a q block met again at once (causal,
+    one kv head), met again two steps on (full, two q blocks), and new at every step (GQA, MQA)."""
+    mask, hq, hkv, lq, lkv, kv_len, d, dv, (bq, bkv, chunk, rows), options = case
+    rng = np.random.default_rng(1)
+    q, d_out = rng.standard_normal((hq, lq, d)), rng.standard_normal((hq, lq, dv))
+    k, v = rng.standard_normal((hkv, lkv, d)), rng.standard_normal((hkv, lkv, dv))
+    scale = d**-0.5
+    allowed = np.zeros((lq, lkv), bool)
+    allowed[:, :kv_len] = mask.dense(lq, kv_len)
+    ids = None
+    if options.get("segment_ids"):
+        q_ids = np.sort(rng.integers(0, 4, lq)).astype(np.int32)
+        kv_ids = np.sort(rng.integers(0, 4, lkv)).astype(np.int32)
+        allowed &= q_ids[:, None] == kv_ids[None, :]
+        ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    sinks = rng.standard_normal(hq) if options.get("sinks") else None
+    soft_cap = options.get("soft_cap")
+    lse, di, *want = _float64_gradients(q, k, v, d_out, allowed[None], scale, soft_cap, sinks)
+    rows = 128  # the backward's tile rows are query lanes: a multiple of 128
+    grid = active_kernels.column_grid(
+        tables.block_mask_table(mask, lq, lkv, kv_len, bq, bkv)[None],
+        tables.block_mask_table(mask, lq, lkv, kv_len, rows, chunk)[None],
+    )
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    found = active_kernels.backward(
+        f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), f32(d_out), f32(lse), f32(di), grid,
+        mask=mask, kv_len=kv_len, block_q=bq, block_kv=bkv, block_kv_compute=chunk, block_q_sub=rows,
+        soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E, segment_ids=ids, interpret=True,
+    )  # fmt: skip
+    found = [np.asarray(found[0]), np.asarray(found[1]) * scale, np.asarray(found[2])]
+    for name, got, expected in zip(("dq", "dk", "dv"), found, want):
+        error = np.abs(got - expected).max() / np.abs(expected).max()
+        assert error <= 1e-5, (name, error)
+
+
+def test_the_column_grid_walks_each_kv_block_s_active_rows_once():
+    mask = sm.CausalMask(-300) | sm.LocalMask(0, 0, 700)
+    kinds = tables.block_mask_table(mask, 1024, 1280, 1024, 128, 256)  # the last kv block holds no key
+    q_block, kv_block, flags, _ = active_kernels.column_grid(kinds[None])
+    for j in range(kinds.shape[1]):
+        mine = np.flatnonzero(kv_block[0] == j)
+        assert flags[0, mine[0]] & active_kernels.FIRST and flags[0, mine[-1]] & active_kernels.LAST
+        if not kinds[:, j].any():  # a kv block no row sees: one entry, which writes zero gradients
+            assert len(mine) == 1 and flags[0, mine[0]] & active_kernels.KIND == active_kernels.SKIP
+        else:
+            assert list(q_block[0, mine]) == list(np.flatnonzero(kinds[:, j]))
+
+
 def test_the_active_grid_walks_each_row_s_active_blocks_once():
     mask = sm.CausalMask(-300) | sm.LocalMask(0, 0, 700)  # first rows see nothing, then a diagonal
     kinds = tables.block_mask_table(mask, 1024, 1024, 1024, 128, 256)
@@ -139,13 +216,15 @@ def test_per_head_lists_are_padded_with_entries_that_do_nothing():
     [(16384, 16384, 128), (16384, 16384, 256), (640, 768, 128), (8, 128, 64), (129 * 8, 4096 + 128, 128)],
 )
 def test_the_active_blocks_divide_the_padded_lengths(q_len, kv_len, head_dim):
-    b = active_forward_blocks(q_len, kv_len, head_dim)
-    assert q_len % b["block_q"] == 0 and kv_len % b["block_kv"] == 0
-    assert b["block_kv"] % b["block_kv_compute"] == 0 and b["block_kv_compute"] % 128 == 0
-    if b["block_q_sub"]:
-        assert b["block_q"] % b["block_q_sub"] == 0
-        tiles = (b["block_q"] // b["block_q_sub"]) * (b["block_kv"] // b["block_kv_compute"])
-        assert tiles <= active_kernels.MAX_TILES
+    for blocks, row_multiple in ((active_forward_blocks, 8), (active_backward_blocks, 128)):
+        b = blocks(q_len, kv_len, head_dim)
+        assert q_len % b["block_q"] == 0 and kv_len % b["block_kv"] == 0
+        assert b["block_kv"] % b["block_kv_compute"] == 0 and b["block_kv_compute"] % 128 == 0
+        if b["block_q_sub"]:
+            assert b["block_q"] % b["block_q_sub"] == 0
+            assert b["block_q_sub"] % row_multiple == 0 or b["block_q_sub"] == b["block_q"]
+            tiles = (b["block_q"] // b["block_q_sub"]) * (b["block_kv"] // b["block_kv_compute"])
+            assert tiles <= active_kernels.MAX_TILES
 
 
 TORCH_CASES = [
@@ -166,6 +245,14 @@ def test_attention_with_the_active_forward_matches_the_reference(case, dtype):
     if options.pop("segment_ids", False):
         options["segment_ids"] = (torch.arange(length)[None] >= torch.tensor([[100], [30]])).int()
     assert_matches_reference(q, k, v, mask, block_sizes=ACTIVE, **options)
+
+
+@pytest.mark.parametrize("forward,backward", [("active", "splash"), ("splash", "active")])
+def test_either_active_kernel_beside_jax_s_other_matches_the_reference(forward, backward):
+    """Each backward takes either forward's output and logsumexp (both natural log)."""
+    q, k, v = make_qkv(2, 4, 2, 256, 256, 32, 32, torch.float32)
+    blocks = torch_splash_jax.BlockSizes(forward_kernel=forward, backward_kernel=backward)
+    assert_matches_reference(q, k, v, torch_splash.masks.LocalMask(40, 0), block_sizes=blocks)
 
 
 def test_sinks_through_the_active_forward_match_the_reference():
@@ -215,10 +302,19 @@ def test_calls_the_active_forward_cannot_serve_are_refused_before_any_kernel_wor
         torch_splash.attention(q, k, v, mask, block_sizes=ACTIVE)
 
 
-def test_an_unknown_forward_kernel_is_refused():
+@pytest.mark.parametrize("field", ["forward_kernel", "backward_kernel"])
+def test_an_unknown_kernel_is_refused(field):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
-    with pytest.raises(torch_splash.SplashConstraintError, match="forward_kernel='fast'"):
-        torch_splash.attention(q, k, v, "causal", block_sizes=torch_splash_jax.BlockSizes(forward_kernel="fast"))
+    with pytest.raises(torch_splash.SplashConstraintError, match=f"{field}='fast'"):
+        torch_splash.attention(q, k, v, "causal", block_sizes=torch_splash_jax.BlockSizes(**{field: "fast"}))
+
+
+def test_a_per_head_mask_is_refused_for_the_active_backward_alone():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    mask = torch_splash.masks.MultiHeadMask([torch_splash.masks.CausalMask(0), torch_splash.masks.LocalMask(5)])
+    blocks = torch_splash_jax.BlockSizes(backward_kernel="active")
+    with pytest.raises(torch_splash.SplashConstraintError, match="backward_kernel='active'"):
+        torch_splash.attention(q, k, v, mask, block_sizes=blocks)
 
 
 def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():

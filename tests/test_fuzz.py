@@ -1,6 +1,7 @@
 """Differential fuzzing: torch_splash.attention against a float64 softmax reference on random calls
 (shapes, GQA/MQA, every mask family and their compositions, segment ids with rows that see no key,
-soft cap, sinks, views, explicit blocks). A small budget by default, a larger one under -m slow."""
+soft cap, sinks, views, explicit blocks), through JAX's kernels and through the active-block ones.
+A small budget by default, a larger one under -m slow."""
 
 import hypothesis
 import hypothesis.strategies as st
@@ -36,11 +37,27 @@ def mask_strategy(draw, heads):
 
 
 @st.composite
-def calls(draw):
+def shared_structured_mask_strategy(draw, heads):
+    """The masks the active-block kernels serve: one structured mask (or composition) every head shares."""
+    families = [
+        st.builds(masks.CausalMask, st.integers(-150, 150)),
+        st.builds(
+            masks.LocalMask, st.none() | st.integers(0, 80), st.none() | st.integers(0, 40), st.integers(-50, 50)
+        ),
+        st.builds(masks.ChunkedCausalMask, st.integers(1, 200)),
+        st.builds(masks.PrefixMask, st.integers(0, 100)),
+    ]
+    one = st.one_of(*families)
+    composed = st.tuples(one, one, st.booleans()).map(lambda t: t[0] & t[1] if t[2] else t[0] | t[1])
+    return draw(st.one_of(st.just("causal"), *families, composed))
+
+
+@st.composite
+def calls(draw, active: bool = False):
     hq, hkv = draw(st.sampled_from(HEADS))
     batch, q_len, kv_len = draw(st.integers(1, 2)), draw(st.integers(1, 300)), draw(st.integers(1, 300))
     d = draw(st.sampled_from([64, 128]))
-    options = dict(mask=draw(mask_strategy(hq)))
+    options = dict(mask=draw((shared_structured_mask_strategy if active else mask_strategy)(hq)))
     if draw(st.booleans()):  # a few documents; ids drawn per position, so some rows see no key
         n = draw(st.integers(1, 3))
         options["segment_ids"] = (
@@ -51,7 +68,9 @@ def calls(draw):
         options["soft_cap"] = draw(st.floats(1.0, 50.0))
     if draw(st.booleans()):
         options["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(hq)).requires_grad_()
-    if draw(st.booleans()):
+    if active:  # the active kernels plan their own blocks
+        options["block_sizes"] = torch_splash.BlockSizes(forward_kernel="active")
+    elif draw(st.booleans()):
         options["block_sizes"] = torch_splash.BlockSizes(
             block_q=draw(st.sampled_from([128, 256])), block_kv=draw(st.sampled_from([128, 256]))
         )
@@ -99,4 +118,19 @@ def test_attention_matches_float64(call):
 @hypothesis.settings(max_examples=100, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(calls())
 def test_attention_matches_float64_wide(call):
+    _check(*call)
+
+
+@hypothesis.settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
+@hypothesis.given(calls(active=True))
+def test_the_active_kernels_match_float64(call):
+    _check(*call)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=100, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(calls(active=True))
+def test_the_active_kernels_match_float64_wide(call):
     _check(*call)

@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import compat
 from .decode_kernel import MASKED  # exp2(MASKED - m) is 0 for any real maximum m, MASKED - MASKED is 0
-from .kernel_limits import LANES  # row statistics are kept lane-dense, (rows, LANES)
+from .kernel_limits import LANES, SUBLANES  # row statistics are kept lane-dense, (rows, LANES)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -356,3 +356,342 @@ def forward(
         name="active_forward",
     )(*tables, *inputs)
     return out, lse[:, 0]
+
+
+def column_grid(kinds: np.ndarray, tile_kinds: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """`active_grid` walked kv block after kv block (the backward's order): (q block, kv block,
+    flags, tile kinds), FIRST and LAST marking a kv block's first and last entries, a kv block with
+    no rows one entry of kind SKIP (its dk and dv are 0); tile (q rows r, keys c) of R x C tiles at
+    bits 2 * (c * R + r)."""
+    tiles = None if tile_kinds is None else tile_kinds.transpose(0, 2, 1)
+    kv_block, q_block, flags, sub = active_grid(kinds.transpose(0, 2, 1), tiles)
+    return q_block, kv_block, flags, sub
+
+
+def _backward_kernel(
+    q_block_ref,
+    kv_block_ref,
+    flags_ref,
+    sub_kinds_ref,
+    *refs,
+    mask,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    block_q_sub: int,
+    soft_cap: float | None,
+    has_segment_ids: bool,
+    group: int,
+    steps: int,
+    q_len: int,
+):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+    refs = refs[6:]
+    q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    _, dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_slots, sems, state = refs
+    h, n = pl.program_id(0), pl.program_id(1)
+
+    def entry(m):
+        """Step m's entry of the list and its query head."""
+        e = lax.div(m, np.int32(group))
+        return e, h * group + (m - e * group)
+
+    e, _ = entry(n)
+    flags = flags_ref[e]
+    kind = flags & KIND
+    first_of_column = ((flags & FIRST) != 0) & (n - e * group == 0)
+    last_of_column = ((flags & LAST) != 0) & (n - e * group == group - 1)
+
+    # dq accumulates in place in HBM (the aliased float32 dq_hbm): each step reads its q block's dq
+    # into one of three VMEM slots, adds its share and writes it back, the read of the next step's
+    # block and the write of the last one's in flight while this one computes. A step whose block is
+    # the one before's keeps the slot; one whose block is the step before last's waits for that
+    # block's write before reading it.
+    def key(m):
+        e, qh = entry(jnp.clip(m, 0, steps - 1))
+        return qh, q_block_ref[e]
+
+    def same(a, b):
+        (ha, qa), (hb, qb) = key(a), key(b)
+        return (ha == hb) & (qa == qb)
+
+    def dq_copy(slot, m, read: bool):
+        qh, qb = key(m)
+        hbm = dq_hbm.at[pl.ds(pl.multiple_of(qh * q_len + qb * block_q, SUBLANES), block_q), :]
+        vmem = dq_slots.at[pl.ds(pl.multiple_of(slot * block_q, block_q), block_q), :]
+        src, dst = (hbm, vmem) if read else (vmem, hbm)
+        return pltpu.make_async_copy(src, dst, sems.at[0 if read else 1])
+
+    is_new = (n == 0) | jnp.logical_not(same(n, n - 1))
+    next_new = (n + 1 < steps) & jnp.logical_not(same(n + 1, n))
+
+    @pl.when(n == 0)
+    def _start():
+        state[0], state[1] = 0, 0
+        dq_copy(0, n, read=True).start()
+
+    cur = lax.rem(state[0], np.int32(3))
+
+    @pl.when(is_new)
+    def _arrived():
+        dq_copy(cur, n, read=True).wait()
+
+    @pl.when(next_new & (n > 0) & same(n + 1, n - 1) & (state[1] == 1))
+    def _written_before_read():
+        dq_copy(lax.rem(cur + 2, np.int32(3)), n - 1, read=False).wait()
+        state[1] = 0
+
+    @pl.when(next_new)
+    def _prefetch():
+        dq_copy(lax.rem(cur + 1, np.int32(3)), n + 1, read=True).start()
+
+    @pl.when(first_of_column)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
+
+    def allowed(row0: int, c: int):
+        """Which logits, keys chunk c (rows) by block_q_sub queries from row0 (lanes), are allowed."""
+        e, _ = entry(n)
+        row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
+        keys = kv_block_ref[e] * block_kv + c * block_kv_compute
+        keys = keys + lax.broadcasted_iota(jnp.int32, (block_kv_compute, 1), 0)
+        ok = mask.allows(row_ids, keys)
+        real = keys < kv_len
+        ok = real if ok is None else ok & real
+        if has_segment_ids:
+            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+            ok = ok & (q_ids_ref[:, row0 : row0 + block_q_sub] == kv_ids_ref[cols, :])
+        return ok
+
+    def tile(r: int, c: int, masked: bool, dk, dv):
+        """Tile (query rows r, keys chunk c): its dq share added into the slot, dk and dv's returned
+        (values in, values out) so that a chunk's sums stay out of VMEM between tiles."""
+        rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
+        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        k, v = k_ref[cols, :], v_ref[cols, :]
+        s = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # (keys, rows), base 2
+        if soft_cap is not None:
+            capped = jnp.tanh(s / soft_cap)
+            s = soft_cap * capped
+        if masked:
+            s = jnp.where(allowed(r * block_q_sub, c), s, MASKED)
+        p = jnp.exp2(s - lse_ref[:, rows])
+        dv = dv + lax.dot_general(p.astype(do.dtype), do, NN, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+        ds = p * (dp - di_ref[:, rows])
+        if soft_cap is not None:
+            ds = ds * (1.0 - capped * capped)
+        ds = ds.astype(q.dtype)
+        dk = dk + lax.dot_general(ds, q, NN, preferred_element_type=jnp.float32)
+        dq = lax.dot_general(ds.T, k, NN, preferred_element_type=jnp.float32)
+        at = pl.ds(pl.multiple_of(cur * block_q + r * block_q_sub, block_q_sub), block_q_sub)
+        dq_slots[at, : dq.shape[1]] = dq_slots[at, : dq.shape[1]] + dq
+        return dk, dv
+
+    row_tiles, chunks = block_q // block_q_sub, block_kv // block_kv_compute
+
+    def whole(masked: bool):
+        for c in range(chunks):
+            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+            dk, dv = dk_acc[cols, :], dv_acc[cols, :]
+            for r in range(row_tiles):
+                dk, dv = tile(r, c, masked, dk, dv)
+            dk_acc[cols, :], dv_acc[cols, :] = dk, dv
+
+    def tiled():
+        tiles = sub_kinds_ref[e]
+        for c in range(chunks):
+            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+            for r in range(row_tiles):
+                tile_kind = (tiles >> (2 * (c * row_tiles + r))) & KIND
+
+                def run(masked, r=r, c=c, cols=cols):
+                    dk_acc[cols, :], dv_acc[cols, :] = tile(r, c, masked, dk_acc[cols, :], dv_acc[cols, :])
+
+                pl.when(tile_kind == FULL)(functools.partial(run, has_segment_ids))
+                pl.when(tile_kind == PARTIAL)(functools.partial(run, True))
+
+    pl.when(kind == FULL)(functools.partial(whole, has_segment_ids))
+    pl.when(kind == PARTIAL)(tiled)
+
+    @pl.when(state[1] == 1)
+    def _written():
+        dq_copy(lax.rem(cur + 2, np.int32(3)), n - 1, read=False).wait()
+        state[1] = 0
+
+    @pl.when(next_new | (n + 1 == steps))
+    def _write():
+        dq_copy(cur, n, read=False).start()
+        state[1] = 1
+
+    @pl.when(next_new)
+    def _advance():
+        state[0] = state[0] + 1
+
+    @pl.when(n + 1 == steps)
+    def _drain():
+        dq_copy(cur, n, read=False).wait()
+
+    @pl.when(last_of_column)
+    def _finish():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def backward_vmem_bytes(
+    block_q: int, block_kv: int, block_q_sub: int, block_kv_compute: int, head_dim: int, head_dim_v: int, itemsize: int
+) -> int:
+    """The scoped VMEM the backward asks for: its double-buffered blocks, its float32 dk and dv sums
+    and three dq slots, and a tile's float32 logits, probabilities and their gradients, twice over
+    for the compiler's temporaries, within 16 to 64 MiB."""
+    blocks = 2 * itemsize * (block_q * (head_dim + head_dim_v) + block_kv * (head_dim + head_dim_v))
+    blocks += 2 * 2 * 4 * 8 * block_q + 2 * 4 * (head_dim + head_dim_v) * block_kv  # lse, di; dk, dv outputs
+    scratch = 4 * block_kv * (head_dim + head_dim_v) + 3 * 4 * block_q * head_dim
+    tile = 5 * 4 * block_q_sub * block_kv_compute
+    return int(min(64 << 20, max(16 << 20, 2 * (blocks + scratch + tile))))
+
+
+def backward(
+    q,
+    k,
+    v,
+    d_out,
+    lse,
+    di,
+    grid,
+    *,
+    mask,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    block_q_sub: int | None = None,
+    soft_cap: float | None = None,
+    segment_ids=None,
+    dq=None,
+    vmem_limit: int | None = None,
+    interpret: bool = False,
+):
+    """The gradients of `forward`'s attention, one kernel over each kv head's active blocks, kv
+    block after kv block: q (Hq, Lq, D), k (Hkv, Lkv, D) scaled by the softmax scale times LOG2E
+    as `forward` takes it, v (Hkv, Lkv, Dv), d_out (Hq, Lq, Dv) in q's dtype, lse (Hq, Lq) natural
+    log (+inf on rows that see no key: they get no gradient), di (Hq, Lq) float32, the rows' sums
+    of out * d_out; `grid` the tables of `column_grid` (one list every head shares). dq: float32
+    (Hq, Lq, D) to add into (zeros if None; the buffer is donated to the result).
+
+    Returns dq (Hq, Lq, D) float32, the gradient of q; dk (Hkv, Lkv, D), the gradient of k times
+    the softmax scale (the logits' k), and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA
+    and MQA heads are summed over the query heads a kv head serves."""
+    num_heads, q_len, head_dim = q.shape
+    kv_heads, _, head_dim_v = v.shape
+    group = num_heads // kv_heads
+    block_q_sub = block_q_sub or block_q
+    if (block_q // block_q_sub) * (block_kv // block_kv_compute) > MAX_TILES:
+        raise ValueError(f"{block_q}x{block_kv} blocks in {block_q_sub}x{block_kv_compute} tiles: at most {MAX_TILES}")
+    if vmem_limit is None:
+        vmem_limit = backward_vmem_bytes(
+            block_q, block_kv, block_q_sub, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize
+        )
+    q_block, kv_block, flags, sub_kinds = grid
+    if q_block.shape[0] != 1:
+        raise ValueError("the active backward takes one list every head shares")
+    width = q_block.shape[1]
+    if segment_ids is not None:
+        flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
+    tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
+    steps = width * group
+
+    def entry(h, n):
+        e = lax.div(n, np.int32(group))
+        return e, h * group + (n - e * group)
+
+    def q_map(h, n, qb, kb, fl, sk):
+        e, qh = entry(h, n)
+        return qh, qb[e], 0
+
+    def row_map(h, n, qb, kb, fl, sk):
+        e, qh = entry(h, n)
+        return qh, 0, qb[e]
+
+    def kv_map(h, n, qb, kb, fl, sk):
+        return h, kb[entry(h, n)[0]], 0
+
+    in_specs = [
+        pl.BlockSpec((None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, block_kv, head_dim), kv_map),
+        pl.BlockSpec((None, block_kv, head_dim_v), kv_map),
+        pl.BlockSpec((None, block_q, head_dim_v), q_map),
+        pl.BlockSpec((None, 1, block_q), row_map),
+        pl.BlockSpec((None, 1, block_q), row_map),
+    ]
+    lse2 = jnp.where(jnp.isposinf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
+    inputs = [q, k, v, d_out, lse2[:, None, :], di.astype(jnp.float32)[:, None, :]]
+    if segment_ids is not None:
+        q_ids, kv_ids = segment_ids
+
+        def q_ids_map(h, n, qb, kb, fl, sk):
+            return 0, qb[entry(h, n)[0]]
+
+        def kv_ids_map(h, n, qb, kb, fl, sk):
+            return kb[entry(h, n)[0]], 0
+
+        in_specs += [pl.BlockSpec((1, block_q), q_ids_map), pl.BlockSpec((block_kv, 1), kv_ids_map)]
+        inputs += [q_ids.reshape(1, -1), kv_ids.reshape(-1, 1)]
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    # dq as rows (heads x q_len, D rounded up to the lanes): Mosaic copies only lane-aligned slices
+    # between HBM and VMEM, and only 2-D ones whose minor dim is under 128 lanes
+    dq_width = -(-head_dim // LANES) * LANES
+    dq = jnp.zeros((num_heads, q_len, head_dim), jnp.float32) if dq is None else dq
+    dq = jnp.pad(dq, ((0, 0), (0, 0), (0, dq_width - head_dim)))
+    inputs.append(dq.reshape(num_heads * q_len, dq_width))
+    body = functools.partial(
+        _backward_kernel,
+        mask=mask,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv_compute,
+        block_q_sub=block_q_sub,
+        soft_cap=soft_cap,
+        has_segment_ids=segment_ids is not None,
+        group=group,
+        steps=steps,
+        q_len=q_len,
+    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(kv_heads, steps),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, block_kv, head_dim), kv_map),
+            pl.BlockSpec((None, block_kv, head_dim_v), kv_map),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((block_kv, head_dim), jnp.float32),
+            pltpu.VMEM((block_kv, head_dim_v), jnp.float32),
+            pltpu.VMEM((3 * block_q, dq_width), jnp.float32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((2,), jnp.int32),
+        ],
+    )
+    dk, dv, dq = pl.pallas_call(
+        body,
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((num_heads * q_len, dq_width), jnp.float32),
+        ],
+        input_output_aliases={len(tables) + len(inputs) - 1: 2},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
+        ),
+        interpret=interpret,
+        name="active_backward",
+    )(*tables, *inputs)
+    return dq.reshape(num_heads, q_len, dq_width)[..., :head_dim] * LN2, dk, dv

@@ -348,6 +348,7 @@ def _planned(
 # 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks (2048 ran at
 # half the rate).
 ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIVE_TILE_ROWS = 2048, 2048, 1024, 512, 512
+ACTIVE_BACKWARD_BLOCK_Q = 1024
 
 
 def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
@@ -357,16 +358,28 @@ def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     return None
 
 
-def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int) -> dict:
+def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int, row_multiple: int = SUBLANES) -> dict:
     """The active-block forward's blocks for padded lengths (q a multiple of 8, kv of 128): block_q,
-    block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles; None where the
-    block is too short to split), each dividing the one above it, at most 16 tiles a block."""
+    block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles, a multiple of
+    row_multiple or the whole block; None where the block is too short to split), each dividing the
+    one above it, at most 16 tiles a block."""
     block_q = _largest_divisor(q_len_padded, ACTIVE_BLOCK_Q, LANES) or q_len_padded
     wide = ACTIVE_BLOCK_KV_WIDE_HEADS if head_dim > LANES else ACTIVE_BLOCK_KV
     block_kv = _largest_divisor(kv_len_padded, wide, LANES)
     chunk = _largest_divisor(block_kv, ACTIVE_CHUNK, LANES)
     chunks = block_kv // chunk
     least = max(min(ACTIVE_TILE_ROWS, block_q), -(-block_q * chunks // 16))
-    rows = next(r for r in range(least, block_q + 1) if block_q % r == 0 and (r % SUBLANES == 0 or r == block_q))
+    rows = next(r for r in range(least, block_q + 1) if block_q % r == 0 and (r % row_multiple == 0 or r == block_q))
     split = rows < block_q or chunks > 1
     return dict(block_q=block_q, block_kv=block_kv, block_kv_compute=chunk, block_q_sub=rows if split else None)
+
+
+def active_backward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int) -> dict:
+    """The active-block backward's blocks: the forward's with q blocks of at most 1024 rows (2048
+    took 1.66x as long on the chip) and tile rows a multiple of 128 (the backward holds a tile's
+    logits transposed, its query rows along the lanes)."""
+    blocks = active_forward_blocks(min(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q), kv_len_padded, head_dim, LANES)
+    if q_len_padded > ACTIVE_BACKWARD_BLOCK_Q:
+        block_q = _largest_divisor(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q, LANES) or q_len_padded
+        blocks = active_forward_blocks(block_q, kv_len_padded, head_dim, LANES)
+    return blocks

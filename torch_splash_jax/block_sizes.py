@@ -32,8 +32,11 @@ class BlockSizes(Immutable):
         q_layout, k_layout, v_layout: "HEAD_DIM_MINOR" or "SEQ_MINOR".
         forward_kernel: "splash" (JAX's kernel, the default) or "active" (the project's own, over
             each head's active blocks only, `torch_splash_jax.active_kernels`; its blocks are its
-            own, planned from the padded lengths, and the backward stays JAX's). "active" serves
-            one structured mask shared by every head, unsharded; other calls are refused.
+            own, planned from the padded lengths). "active" serves one structured mask shared by
+            every head, unsharded; other calls are refused.
+        backward_kernel: the same choice for the backward (JAX's dq and dkv kernels, or the
+            project's one kernel whose dq, dk and dv accumulate in place); None follows
+            forward_kernel. Either backward takes either forward's output and logsumexp.
 
     A block longer than the padded sequence is clamped to it. Refused with SplashConstraintError
     (when planned, before any JAX work): a kv block or compute block not a multiple of 128, a
@@ -54,6 +57,7 @@ class BlockSizes(Immutable):
     k_layout: str | None = None
     v_layout: str | None = None
     forward_kernel: str | None = None
+    backward_kernel: str | None = None
 
 
 def _nearest_multiples(value: int, multiple: int) -> str:
@@ -72,7 +76,7 @@ def check_block_sizes(bs: BlockSizes) -> None:
             if not isinstance(value, bool):
                 raise SplashDtypeError(f"{where}: must be True, False or None (planned).")
             continue
-        if field.name == "forward_kernel":
+        if field.name in ("forward_kernel", "backward_kernel"):
             if value not in FORWARD_KERNELS:
                 raise SplashConstraintError(f"{where}: must be one of {FORWARD_KERNELS} or None (JAX's splash).")
             continue

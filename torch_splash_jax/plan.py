@@ -54,8 +54,9 @@ class Plan:
     # kv_len is one shard's keys, and ring_step says which shard's keys a program attends to).
     context_parallel: str = "all_gather"
     ring_step: int = 0
-    # The forward kernel: "splash" (JAX's) or "active" (block_sizes.BlockSizes.forward_kernel).
+    # The kernels: "splash" (JAX's) or "active" (block_sizes.BlockSizes.forward_kernel, backward_kernel).
     forward_kernel: str = "splash"
+    backward_kernel: str = "splash"
 
     @property
     def ring(self) -> bool:
@@ -181,10 +182,11 @@ def plan(
         soft_cap is not None,
     )
     forward_kernel = block_sizes.forward_kernel or "splash"
-    if forward_kernel == "active":
-        _check_active(mask, q_shards, head_shards, context_parallel)
+    backward_kernel = block_sizes.backward_kernel or forward_kernel
+    _check_active(forward_kernel, backward_kernel, mask, q_shards, head_shards, context_parallel)
     return Plan(
         forward_kernel=forward_kernel,
+        backward_kernel=backward_kernel,
         batch=batch,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -209,25 +211,29 @@ def plan(
     )
 
 
-def with_forward_kernel(plan: Plan, kernel: str) -> Plan:
-    """The same plan with another forward kernel ("splash" or "active"), checked as `plan` checks it."""
-    if kernel == "active":
-        _check_active(plan.mask, plan.q_shards, plan.head_shards, plan.context_parallel)
-    return dataclasses.replace(plan, forward_kernel=kernel)
+def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
+    """The same plan with other kernels ("splash" or "active"; the backward's follows the
+    forward's unless given), checked as `plan` checks them."""
+    backward = backward or forward
+    _check_active(forward, backward, plan.mask, plan.q_shards, plan.head_shards, plan.context_parallel)
+    return dataclasses.replace(plan, forward_kernel=forward, backward_kernel=backward)
 
 
-def _check_active(mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
-    """The calls the active-block forward serves: one structured mask every head shares, on one device."""
+def _check_active(forward: str, backward: str, mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
+    """The calls the active-block kernels serve: one structured mask every head shares, on one device."""
+    option = "forward_kernel" if forward == "active" else "backward_kernel" if backward == "active" else None
     why = None
+    if option is None:
+        return
     if shared_structured_mask(mask) is None:
         why = f"the mask {mask!r} is not one structured mask shared by every head"
     elif q_shards > 1 or head_shards > 1 or context_parallel == "ring":
         why = "the call is sharded over devices"
     if why:
         raise SplashConstraintError(
-            f"block_sizes.forward_kernel='active': {why}; the active-block forward serves unsharded "
-            "calls whose heads share one structured mask (causal, full, local, chunked, prefix and their "
-            "compositions). Use forward_kernel='splash' (or None) for this call."
+            f"block_sizes.{option}='active': {why}; the active-block kernels serve unsharded calls "
+            "whose heads share one structured mask (causal, full, local, chunked, prefix and their "
+            f"compositions). Use {option}='splash' (or None) for this call."
         )
 
 

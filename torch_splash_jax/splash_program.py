@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from . import active_kernels, compat, policy
 from . import tables as _tables
-from .block_planning import active_forward_blocks
+from .block_planning import active_backward_blocks, active_forward_blocks
 from .errors import SplashConstraintError
 from .kernel_limits import ACTIVE_TABLE_ENTRIES, compute_dtype
 from .kernel_tables import KernelTables
@@ -91,8 +91,9 @@ class Program(KernelTables):
         self.call_rows_may_be_empty = plan.has_segment_ids or plan.mask.may_empty_rows()
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self._layout = None  # _residual_layout
-        # The active-block forward (active_kernels), where the plan asks for it; None where JAX's runs.
+        # The active-block kernels (active_kernels), where the plan asks for them; None where JAX's run.
         self.active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
+        self.active_backward = _ActiveBackward(plan) if plan.backward_kernel == "active" and not self.no_pairs else None
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
@@ -284,6 +285,8 @@ class Program(KernelTables):
         if self.no_pairs:
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
+        if self.active_backward is not None:
+            return self._active_gradients(q, k, v, ids, sinks, out, lse, d_out)
         sources, tree = self._residual_layout(arrays[: len(self.signature("forward"))])
         per_call, call_sinks = self._kernel_inputs(q, k, v, ids, sinks)
         table_arrays = self._kernel_for(tables)[1]
@@ -323,6 +326,30 @@ class Program(KernelTables):
         d_sinks = [d.reshape(-1, sinks.shape[0]).sum(axis=0) for d in d_sinks]  # every call's heads' share
         return (dq, dk, dv, *d_sinks)
 
+    def _active_gradients(self, q, k, v, ids, sinks, out, lse, d_out):
+        """backward_body through the active-block backward: one kernel call per `_each_call` call,
+        its dq added into a float32 buffer in place; the sinks' gradients from the logsumexp."""
+        p = self.plan
+        per_call, call_sinks = self._kernel_inputs(q, k, v, ids, sinks, p.scale * active_kernels.LOG2E)
+        has_keys = row_has_keys(lse)
+        lse = jnp.where(has_keys, lse, jnp.inf)  # p = exp(logit - lse) is then 0 on rows with no key
+        out, d_out = (self._pad(x.astype(compute_dtype(p.dtype)), 2, p.q_len_padded) for x in (out, d_out))
+        d_out = jnp.where(has_keys[..., None], d_out, 0).astype(d_out.dtype)
+        di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
+        calls = per_call[0].shape[0]
+        rows = [self._per_call(x, calls) for x in (d_out, lse, di)]
+        dq, dk, dv = self._each_call(self.active_backward, (*per_call, *rows))
+        batch = q.shape[0]
+        dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
+        dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
+        dk = scaled(dk[..., : p.kv_len, :], p.scale).astype(k.dtype)
+        dv = dv[..., : p.kv_len, :].astype(v.dtype)
+        if sinks is None:
+            return dq, dk, dv
+        # A sink is a logit whose value vector is 0: its gradient is -sum over rows of p_sink * di.
+        d_sinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * di, axis=(0, 2))
+        return dq, dk, dv, d_sinks.astype(sinks.dtype)
+
 
 class _ActiveForward:
     """The active-block forward (`active_kernels`) of a plan: its blocks, its block list (constants
@@ -342,13 +369,7 @@ class _ActiveForward:
                 self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q_sub"], b["block_kv_compute"]
             )[None]
         self.grid = active_kernels.active_grid(kinds[None], tile_kinds)
-        entries = self.grid[0].size
-        if entries > ACTIVE_TABLE_ENTRIES:
-            raise SplashConstraintError(
-                f"block_sizes.forward_kernel='active': {entries} active blocks of {b['block_q']} x "
-                f"{b['block_kv']} at {plan.q_len_padded} x {plan.kv_len_padded} tokens overrun the "
-                f"{ACTIVE_TABLE_ENTRIES} a TPU's SMEM holds; use forward_kernel='splash' for this call."
-            )
+        _check_entries(self.grid, b, plan, "forward_kernel")
 
     def __call__(self, sinks, q, k, v, segment_ids):
         """(out (Hq, Lq, Dv), logsumexp (Hq, Lq)) of one kernel call; k scaled by scale x LOG2E."""
@@ -375,3 +396,57 @@ class _ActiveForward:
 # has traced and compiled.
 _SHARED = policy.Recent(policy.STORED_SHAPES)
 forget_shared_programs = _SHARED.clear
+
+
+class _ActiveBackward:
+    """The active-block backward (`active_kernels.backward`) of a plan: its blocks, its block list
+    walked kv block after kv block, and one kernel call's gradients."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.mask = shared_structured_mask(plan.mask)
+        self.blocks = active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
+        b = self.blocks
+        rows = b["block_q_sub"] or b["block_q"]
+        kinds = _tables.block_mask_table(
+            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q"], b["block_kv"]
+        )
+        tile_kinds = _tables.block_mask_table(
+            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, rows, b["block_kv_compute"]
+        )
+        self.grid = active_kernels.column_grid(kinds[None], tile_kinds[None])
+        _check_entries(self.grid, b, plan, "backward_kernel")
+
+    def __call__(self, q, k, v, segment_ids, d_out, lse, di):
+        """(dq, dk, dv) of one kernel call: dq float32, dk of the logits' keys (k times the scale)."""
+        p = self.plan
+        mqa = k.ndim == 2  # the MQA layout `_kernel_inputs` gives
+        if mqa:
+            k, v = k[None], v[None]
+        dq, dk, dv = active_kernels.backward(
+            q,
+            k,
+            v,
+            d_out,
+            lse,
+            di,
+            self.grid,
+            mask=self.mask,
+            kv_len=p.kv_len,
+            **self.blocks,
+            soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
+            segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
+            interpret=p.platform != "tpu",
+        )
+        return (dq, dk[0], dv[0]) if mqa else (dq, dk, dv)
+
+
+def _check_entries(grid, blocks: dict, plan: Plan, option: str) -> None:
+    """Refuse an active-block list longer than a TPU's SMEM holds, naming the option to change."""
+    entries = grid[0].size
+    if entries > ACTIVE_TABLE_ENTRIES:
+        raise SplashConstraintError(
+            f"block_sizes.{option}='active': {entries} active blocks of {blocks['block_q']} x "
+            f"{blocks['block_kv']} at {plan.q_len_padded} x {plan.kv_len_padded} tokens overrun the "
+            f"{ACTIVE_TABLE_ENTRIES} a TPU's SMEM holds; use {option}='splash' for this call."
+        )
