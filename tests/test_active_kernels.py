@@ -330,3 +330,14 @@ def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
     # 16 tiles a block, each with its unmasked and its masked path: the two diagonal blocks take 6
     # tiles wholly below the diagonal and 4 across it each
     assert len(work.tiles) == 32 and sum(work.tiles[::2]) == 12 and sum(work.tiles[1::2]) == 8
+
+
+def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():
+    """Causal 454,656 tokens: the backward's 1024-row blocks list 49,153 active blocks, one more
+    than the SMEM tables hold (docs/tpu.md); refused before any JAX work, naming the option."""
+    plan = torch_splash_jax.plan(
+        q_len=454656, num_q_heads=1, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
+        block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"),
+    )  # fmt: skip
+    with pytest.raises(torch_splash.SplashConstraintError, match="backward_kernel='active'.*SMEM"):
+        torch_splash_jax.program(plan)

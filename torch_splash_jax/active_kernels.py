@@ -398,11 +398,11 @@ def _backward_kernel(
         e = lax.div(m, np.int32(group))
         return e, h * group + (m - e * group)
 
-    e, _ = entry(n)
+    e, qh = entry(n)
     flags = flags_ref[e]
     kind = flags & KIND
-    first_of_column = ((flags & FIRST) != 0) & (n - e * group == 0)
-    last_of_column = ((flags & LAST) != 0) & (n - e * group == group - 1)
+    first_of_column = ((flags & FIRST) != 0) & (qh == h * group)
+    last_of_column = ((flags & LAST) != 0) & (qh == h * group + group - 1)
 
     # dq accumulates in place in HBM (the aliased float32 dq_hbm): each step reads its q block's dq
     # into one of three VMEM slots, adds its share and writes it back, the read of the next step's
@@ -454,7 +454,6 @@ def _backward_kernel(
 
     def allowed(row0: int, c: int):
         """Which logits, keys chunk c (rows) by block_q_sub queries from row0 (lanes), are allowed."""
-        e, _ = entry(n)
         row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
         keys = kv_block_ref[e] * block_kv + c * block_kv_compute
         keys = keys + lax.broadcasted_iota(jnp.int32, (block_kv_compute, 1), 0)

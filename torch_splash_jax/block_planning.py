@@ -378,8 +378,5 @@ def active_backward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int)
     """The active-block backward's blocks: the forward's with q blocks of at most 1024 rows (2048
     took 1.66x as long on the chip) and tile rows a multiple of 128 (the backward holds a tile's
     logits transposed, its query rows along the lanes)."""
-    blocks = active_forward_blocks(min(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q), kv_len_padded, head_dim, LANES)
-    if q_len_padded > ACTIVE_BACKWARD_BLOCK_Q:
-        block_q = _largest_divisor(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q, LANES) or q_len_padded
-        blocks = active_forward_blocks(block_q, kv_len_padded, head_dim, LANES)
-    return blocks
+    block_q = _largest_divisor(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q, LANES) or q_len_padded
+    return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES)

@@ -330,7 +330,7 @@ class Program(KernelTables):
         """backward_body through the active-block backward: one kernel call per `_each_call` call,
         its dq added into a float32 buffer in place; the sinks' gradients from the logsumexp."""
         p = self.plan
-        per_call, call_sinks = self._kernel_inputs(q, k, v, ids, sinks, p.scale * active_kernels.LOG2E)
+        per_call, _ = self._kernel_inputs(q, k, v, ids, sinks, p.scale * active_kernels.LOG2E)
         has_keys = row_has_keys(lse)
         lse = jnp.where(has_keys, lse, jnp.inf)  # p = exp(logit - lse) is then 0 on rows with no key
         out, d_out = (self._pad(x.astype(compute_dtype(p.dtype)), 2, p.q_len_padded) for x in (out, d_out))
@@ -360,15 +360,8 @@ class _ActiveForward:
         self.mask = shared_structured_mask(plan.mask)
         self.blocks = active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
         b = self.blocks
-        kinds = _tables.block_mask_table(
-            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q"], b["block_kv"]
-        )
-        tile_kinds = None
-        if b["block_q_sub"]:
-            tile_kinds = _tables.block_mask_table(
-                self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q_sub"], b["block_kv_compute"]
-            )[None]
-        self.grid = active_kernels.active_grid(kinds[None], tile_kinds)
+        tile_kinds = _kinds(self.mask, plan, b["block_q_sub"], b["block_kv_compute"]) if b["block_q_sub"] else None
+        self.grid = active_kernels.active_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
         _check_entries(self.grid, b, plan, "forward_kernel")
 
     def __call__(self, sinks, q, k, v, segment_ids):
@@ -407,14 +400,8 @@ class _ActiveBackward:
         self.mask = shared_structured_mask(plan.mask)
         self.blocks = active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
         b = self.blocks
-        rows = b["block_q_sub"] or b["block_q"]
-        kinds = _tables.block_mask_table(
-            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, b["block_q"], b["block_kv"]
-        )
-        tile_kinds = _tables.block_mask_table(
-            self.mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, rows, b["block_kv_compute"]
-        )
-        self.grid = active_kernels.column_grid(kinds[None], tile_kinds[None])
+        tile_kinds = _kinds(self.mask, plan, b["block_q_sub"] or b["block_q"], b["block_kv_compute"])
+        self.grid = active_kernels.column_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
         _check_entries(self.grid, b, plan, "backward_kernel")
 
     def __call__(self, q, k, v, segment_ids, d_out, lse, di):
@@ -439,6 +426,12 @@ class _ActiveBackward:
             interpret=p.platform != "tpu",
         )
         return (dq, dk[0], dv[0]) if mqa else (dq, dk, dv)
+
+
+def _kinds(mask, plan: Plan, block_q: int, block_kv: int):
+    """The kinds of the blocks (or tiles) of block_q x block_kv a structured mask gives the plan's
+    padded lengths, (1, q blocks, kv blocks): one list every head shares."""
+    return _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, block_q, block_kv)[None]
 
 
 def _check_entries(grid, blocks: dict, plan: Plan, option: str) -> None:
