@@ -23,7 +23,7 @@
 #                          from the compiler's schedule, against tokamax's measured times)
 #   ./dev.sh bench-decode       runs benchmarks/bench_decode.py in the current set (decode steps and chunked
 #                          prefill: the decode kernel against splash, dense attention and the HBM floor, estimated)
-#   ./dev.sh bench-active-forward  runs benchmarks/bench_active_forward.py in the current set (the active-block
+#   ./dev.sh bench-active-kernels  runs benchmarks/bench_active_kernels.py in the current set (the active-block
 #                          forward against JAX's splash forward per generation, estimated; v5e's error against the chip)
 #   ./dev.sh bench-hf-decode    runs benchmarks/bench_hf_decode.py (one HF Llama layer's decode step, splash vs
 #                          sdpa, through torch_splash.fit: estimated time and HBM per generation)
@@ -98,7 +98,7 @@ install_libtpu() {
 }
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  test-current|bench-tpu-time|bench-decode|bench-active-forward) install .venv-current 3.12 locks/current-py312.txt ;;
+  test-current|bench-tpu-time|bench-decode|bench-active-kernels) install .venv-current 3.12 locks/current-py312.txt ;;
   tpu-check) ;;  # needs only JAX: see below
   test) install .venv 3.11 locks/xla-py311.txt; install .venv-current 3.12 locks/current-py312.txt ;;
   *) install .venv 3.11 locks/xla-py311.txt ;;
@@ -172,8 +172,8 @@ case "$cmd" in
     JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_tpu_time.py "$@" ;;
   bench-decode) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_decode.py "$@" ;;
-  bench-active-forward) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
-    JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_active_forward.py "$@" ;;
+  bench-active-kernels) TORCH_SPLASH_LIBTPU_DIR=$(.venv-current/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    JAX_PLATFORMS=cpu exec .venv-current/bin/python benchmarks/bench_active_kernels.py "$@" ;;
   bench-hf-decode) install_libtpu; exec .venv/bin/python benchmarks/bench_hf_decode.py "$@" ;;
   bench-report) exec .venv/bin/python benchmarks/report.py "$@" ;;
   lint) .venv/bin/ruff check . && exec .venv/bin/ruff format --check . ;;
@@ -186,7 +186,7 @@ case "$cmd" in
     PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" exec "$py" -m torch_splash_jax.tpu_check "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
-          "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-decode | bench-active-forward |" \
+          "bench-transports | bench-tpu-memory | bench-flex | bench-sequence | bench-context-parallel | bench-tpu-time | bench-decode | bench-active-kernels |" \
           "bench-hf-decode | tpu-check |" \
           "bench-report | lint |" \
           "hf-finetune | fit-llama | lock" >&2; exit 2 ;;

@@ -1,15 +1,17 @@
-"""The active-block forward against the plan's JAX splash forward, per TPU generation, estimated from
+"""The active-block kernels against the plan's JAX splash kernels, per TPU generation, estimated from
 the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `tpu_check`'s table
-(B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x. Every figure
-is an estimate (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also
-measured (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both kernels.
-For segment ids the estimate counts the host's block kinds, an upper bound on the full blocks the
-kernel finds on the device.
+(B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x, each a training
+step's program (forward, then backward) of the plan, and of the plan with
+`BlockSizes(forward_kernel="active")` (the active forward and backward). Every figure is an estimate
+(torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
+(docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
+the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
+the device.
 
-    ./dev.sh bench-active-forward            # 10 calls x 4 generations x 2 kernels: about 15 minutes on 2 cores
-    ./dev.sh bench-active-forward --quick    # one call on v5e
+    ./dev.sh bench-active-kernels            # 10 calls x 4 generations x 2 programs: about 30 minutes on 2 cores
+    ./dev.sh bench-active-kernels --quick    # one call on v5e
 
-Writes benchmarks/results/active_forward.json (or active_forward_quick.json). Runs in the current set
+Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
 (libtpu 0.0.52 knows v7x).
 """
 
@@ -42,27 +44,36 @@ def _calls(quick: bool) -> list:
     return [c for c in calls if c.name in QUICK_CALLS] if quick else calls
 
 
+def _kernels(kernels, generation: str) -> dict:
+    from torch_splash_jax.tpu_time import chip
+
+    seconds = sum(k.seconds for k in kernels)
+    return dict(
+        seconds=seconds,
+        schedule=sum(k.schedule_seconds for k in kernels),
+        hbm=sum(k.hbm_seconds for k in kernels),
+        mxu=sum(k.flops for k in kernels) / seconds / chip(generation).peak_flops if seconds else 0.0,
+        binding_unit=max(kernels, key=lambda k: k.seconds).binding_unit,
+        flops=sum(k.flops for k in kernels),
+    )
+
+
 def _estimate(call, generation: str, active: bool) -> dict:
-    """The forward kernel's estimate of the call's plan, or of that plan with the active-block forward."""
+    """The step's forward kernel and backward kernels, estimated, of the call's plan or of that plan
+    with the active-block kernels."""
     from torch_splash_jax import tpu_time
-    from torch_splash_jax.plan import with_forward_kernel
+    from torch_splash_jax.plan import with_kernels
 
     plan = call.plan("tpu")
     if active:
-        plan = with_forward_kernel(plan, "active")
+        plan = with_kernels(plan, "active")
     try:
-        estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=False, libtpu_dir=_libtpu_dir())
+        estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
         return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
-    (kernel,) = [k for k in estimate.kernels if k.kind == "forward"]
-    return dict(
-        seconds=kernel.seconds,
-        schedule=kernel.schedule_seconds,
-        hbm=kernel.hbm_seconds,
-        mxu=kernel.mxu_utilization,
-        binding_unit=kernel.binding_unit,
-        flops=kernel.flops,
-    )
+    forward = [k for k in estimate.kernels if k.kind == "forward"]
+    backward = [k for k in estimate.kernels if k.kind != "forward"]
+    return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation))
 
 
 def main() -> None:
@@ -82,7 +93,7 @@ def main() -> None:
     from torch_splash_jax import tpu_time
 
     results = dict(rows=list(rows.values()), libtpu=tpu_time.ESTIMATOR_LIBTPU)
-    report.save("active_forward", results, options.quick, "./dev.sh bench-active-forward")
+    report.save("active_kernels", results, options.quick, "./dev.sh bench-active-kernels")
 
 
 if __name__ == "__main__":

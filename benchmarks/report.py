@@ -693,14 +693,15 @@ def _tpu_check(r: dict) -> str:
         "overran VMEM, it did not compile). MXU: the forward's matmul flops over its time and the chip's "
         "measured matmul rate. The estimate is `torch_splash_jax.tpu_time`'s (libtpu named below), from the "
         "compiler's schedule without a TPU: the forward kernel, and the step's kernels (without the XLA ops around "
-        "them: below); its error is estimate / measured - 1. The active forward is the plan with "
-        '`BlockSizes(forward_kernel="active")`: the project\'s own forward (`torch_splash_jax.active_kernels`), '
-        "the backward JAX's; blank where it does not serve the call.",
+        "them: below); its error is estimate / measured - 1. The active kernels are the plan with "
+        '`BlockSizes(forward_kernel="active")`: the project\'s own forward and backward '
+        '(`torch_splash_jax.active_kernels`); "active forward" is the same forward with JAX\'s backward '
+        '(`backward_kernel="splash"`); blank where they do not serve the call.',
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
         "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error "
-        "| active forward | active / plan (forward) | MXU (active forward) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| active forward | active kernels | active / plan (forward / step) | MXU (active forward) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     estimates = _chip_estimates(r)
 
@@ -726,15 +727,17 @@ def _tpu_check(r: dict) -> str:
         flops = forward_flops(call) if call else None
         mxu = f"{flops / (plan['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate and "forward_ms" in plan else ""
         shown, errors = estimated(row["name"], "forward", "step")
-        active = v.get("plan, active forward", {})
+        active, both = v.get("plan, active forward", {}), v.get("plan, active kernels", {})
         faster, active_mxu = "", ""
-        if "forward_ms" in active and "forward_ms" in plan:
-            faster = f"{active['forward_ms'] / plan['forward_ms']:.2f}x"
-            active_mxu = f"{flops / (active['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
+        if "forward_ms" in both and "forward_ms" in plan:
+            faster = " / ".join(
+                f"{both[k] / plan[k]:.2f}x" for k in ("forward_ms", "step_ms") if k in both and k in plan
+            )
+            active_mxu = f"{flops / (both['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
         lines.append(
             f"| {row['name']} | {pair(plan)} | {layout} | {pair(maxtext)} | {ratio} | "
             f"{pair(v.get(PLAN_BLOCKS, {}))} | {pair(v.get('XLA dense', {}))} | {mxu} | "
-            f"{shown} | {errors} | {pair(active)} | {faster} | {active_mxu} |"
+            f"{shown} | {errors} | {pair(active)} | {pair(both)} | {faster} | {active_mxu} |"
         )
     lines += [
         "",
@@ -798,7 +801,7 @@ def _real_chip_calibration(r: dict) -> list[str]:
     ]
 
 
-def _active_forward(r: dict) -> str:
+def _active_kernels(r: dict) -> str:
     from torch_splash_jax.tpu_check.cases import by_name, forward_flops
     from torch_splash_jax.tpu_time.chips import chip as generation_chip
 
@@ -807,41 +810,55 @@ def _active_forward(r: dict) -> str:
     if chip_file.exists():  # the same calls measured on the lent v5e: the estimates' error there
         for row in json.loads(chip_file.read_text())["timing"]:
             v = row["variants"]
+            plan, active = v.get("plan", {}), v.get("plan, active kernels", {})
             measured[row["name"]] = {
-                "plan": v.get("plan", {}).get("forward_ms"),
-                "active": v.get("plan, active forward", {}).get("forward_ms"),
+                ("plan", "forward"): plan.get("forward_ms"),
+                ("active", "forward"): active.get("forward_ms"),
+                ("plan", "backward"): plan["step_ms"] - plan["forward_ms"] if "step_ms" in plan else None,
+                ("active", "backward"): active["step_ms"] - active["forward_ms"] if "step_ms" in active else None,
             }
     generations = sorted({row["generation"] for row in r["rows"]}, key=["v5e", "v5p", "v6e", "v7x"].index)
-    lines = [
-        "Forward kernel, estimated ms: the plan's JAX splash forward / the active-block forward (their ratio; the "
-        "active forward's MXU use, the call's attention flops over its time at the generation's peak; its binding "
-        "unit, by the estimate). On v5e, the estimate's error against the chip's measured forward (tpu_check's "
-        "run), plan / active.",
-        "",
-        "| call | " + " | ".join(generations) + " | v5e error, plan / active |",
-        "|---|" + "---|" * (len(generations) + 1),
-    ]
     rows = {(row["name"], row["generation"]): row for row in r["rows"]}
-    for name in dict.fromkeys(row["name"] for row in r["rows"]):
-        cells = []
-        for generation in generations:
-            row = rows.get((name, generation), {})
-            plan, active = row.get("plan", {}), row.get("active", {})
-            if "seconds" not in plan or "seconds" not in active:
-                cells.append((plan.get("error") or active.get("error") or "")[:60])
-                continue
-            flops = forward_flops(calls[name]) if name in calls else None
-            mxu = f"{flops / active['seconds'] / generation_chip(generation).peak_flops:.0%}, " if flops else ""
-            cells.append(
-                f"{plan['seconds'] * 1e3:.2f} / {active['seconds'] * 1e3:.2f} "
-                f"({active['seconds'] / plan['seconds']:.2f}x; {mxu}{active['binding_unit']})"
-            )
-        error = ""
-        on_chip, v5e = measured.get(name, {}), rows.get((name, "v5e"), {})
-        if all(on_chip.get(k) and "seconds" in v5e.get(k, {}) for k in ("plan", "active")):
-            error = " / ".join(_pct(v5e[k]["seconds"] * 1e3 / on_chip[k] - 1) for k in ("plan", "active"))
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
-    return "\n".join(lines)
+    lines = []
+    for part, what in (
+        ("forward", "Forward kernel"),
+        ("backward", "Backward kernels (JAX's dq and dkv, or the one active backward)"),
+    ):
+        lines += [
+            f"{what}, estimated ms: the plan's JAX splash / the active-block kernels (their ratio; the active "
+            "kernels' MXU use, their matmul flops over their time at the generation's peak; their binding unit, by "
+            "the estimate). On v5e, the estimate's error against the chip's measured time (tpu_check's run; the "
+            "backward measured as step minus forward, which also holds the XLA ops around the kernels), plan / active.",
+            "",
+            "| call | " + " | ".join(generations) + " | v5e error, plan / active |",
+            "|---|" + "---|" * (len(generations) + 1),
+        ]
+        for name in dict.fromkeys(row["name"] for row in r["rows"]):
+            cells = []
+            for generation in generations:
+                row = rows.get((name, generation), {})
+                plan, active = row.get("plan", {}).get(part, {}), row.get("active", {}).get(part, {})
+                if "seconds" not in plan or "seconds" not in active:
+                    found = row.get("plan", {}).get("error") or row.get("active", {}).get("error") or ""
+                    cells.append(found[:60])
+                    continue
+                share = active["mxu"]
+                if part == "forward" and name in calls and forward_flops(calls[name]):
+                    share = forward_flops(calls[name]) / active["seconds"] / generation_chip(generation).peak_flops
+                mxu = f"{share:.0%}, "
+                cells.append(
+                    f"{plan['seconds'] * 1e3:.2f} / {active['seconds'] * 1e3:.2f} "
+                    f"({active['seconds'] / plan['seconds']:.2f}x; {mxu}{active['binding_unit']})"
+                )
+            error = ""
+            on_chip, v5e = measured.get(name, {}), rows.get((name, "v5e"), {})
+            if all(on_chip.get((k, part)) and "seconds" in v5e.get(k, {}).get(part, {}) for k in ("plan", "active")):
+                error = " / ".join(
+                    _pct(v5e[k][part]["seconds"] * 1e3 / on_chip[(k, part)] - 1) for k in ("plan", "active")
+                )
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
+        lines.append("")
+    return "\n".join(lines[:-1])
 
 
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them
@@ -855,14 +872,15 @@ SECTIONS = {
         "program is compiled before the first is timed.",
         _tpu_check,
     ),
-    "active_forward": (
-        "The active-block forward against JAX's splash forward, per TPU generation (estimated, no TPU)",
-        'The project\'s own forward kernel (`BlockSizes(forward_kernel="active")`, docs/tpu.md) against the '
-        "plan's JAX splash forward on the training calls of tpu_check's table, each generation's kernel estimated "
-        "from libtpu's schedule without a TPU (torch_splash_jax.tpu_time: an estimate, with what it leaves out). "
-        "With segment ids the estimate counts the block kinds made on the host, an upper bound on the full "
-        "blocks the kernel finds on the device.",
-        _active_forward,
+    "active_kernels": (
+        "The active-block kernels against JAX's splash kernels, per TPU generation (estimated, no TPU)",
+        'The project\'s own forward and backward kernels (`BlockSizes(forward_kernel="active")`, docs/tpu.md) '
+        "against the plan's JAX splash kernels on the training calls of tpu_check's table: each call's training "
+        "step (forward, then backward) compiled for each generation without a TPU, its kernels estimated from "
+        "libtpu's schedule (torch_splash_jax.tpu_time: an estimate, with what it leaves out). With segment ids "
+        "the estimate counts the block kinds made on the host, an upper bound on the full blocks the kernels "
+        "find on the device.",
+        _active_kernels,
     ),
     "bridge": (
         "The bridge's cost over calling the JAX kernel directly (CPU, interpret mode)",

@@ -47,7 +47,7 @@ def test_demo():
         pytest.param("fit-llama", "fit_quick.json", "rows", marks=pytest.mark.slow),
         pytest.param("bench-tpu-time", "tpu_time_quick.json", "calibration", marks=pytest.mark.slow),
         ("bench-decode", "decode_quick.json", "steps"),
-        ("bench-active-forward", "active_forward_quick.json", "rows"),
+        ("bench-active-kernels", "active_kernels_quick.json", "rows"),
         ("bench-hf-decode", "hf_decode_quick.json", "rows"),
     ],
 )

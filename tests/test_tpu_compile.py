@@ -143,9 +143,10 @@ DEFAULT = [
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1.
     _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
-    # The active-block forward (BlockSizes(forward_kernel="active")): its 2048 x 2048 blocks and 512 x 512
-    # tiles with the batch in its heads; segment ids, soft cap and sinks in float32 off the 128 grid;
-    # MQA at head_dim 256 on a length shorter than one lane block.
+    # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
+    # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap
+    # and sinks in float32 off the 128 grid at head_dim 64 (dq's buffer padded to the lanes); MQA at
+    # head_dim 256 on a length shorter than one lane block.
     _case(
         "active-causal-d128-bf16-b4-4k", 16, 16, 4096, 4096, 128, "bfloat16", "CausalMask(0)", batch=4, blocks=ACTIVE
     ),
@@ -394,11 +395,14 @@ def test_decode_program_compiles_for_tpu(decode_results, case):
 @pytest.mark.xla
 def test_training_step_compiles_for_one_chip():
     """A torch_xla training step (2 layers, forward, loss, backward, SGD) with the kernels planned
-    for TPU: its HLO, with the plan's Mosaic calls per layer, compiles for one v5e chip; so does the
-    same step with torch's SDPA."""
+    for TPU: its HLO, with the plan's Mosaic calls per layer, compiles for one v5e chip; so do the
+    same step through the active-block kernels (a forward and a backward call a layer) and with
+    torch's SDPA."""
     results = {r["step"]: r for r in _worker("step")}
     assert "error" not in results["splash"], results["splash"]
     assert results["splash"]["mosaic_calls"] == _step_mosaic_calls()
+    assert "error" not in results["active"], results["active"]
+    assert results["active"]["mosaic_calls"] == 2 * 2
     assert "error" not in results["sdpa"], results["sdpa"]
     assert results["sdpa"]["mosaic_calls"] == 0
 

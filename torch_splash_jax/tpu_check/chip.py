@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from .. import compat
 from ..errors import SplashConstraintError
-from ..plan import Plan, with_forward_kernel
+from ..plan import Plan, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
 from . import baselines
@@ -165,14 +165,17 @@ def _programs(call: Call, plan) -> list:
     programs = [(call.name, call.kernel, cached_program(plan))]
     active = _active(plan) if call.kernel != "decode" else None
     if active is not None:
-        programs.append((f"{call.name}, active forward", "active", cached_program(active)))
+        programs.append((f"{call.name}, active kernels", "active", cached_program(active)))
     return programs
 
 
-def _active(plan):
-    """The plan with the active-block forward, None where that forward does not serve it."""
+def _active(plan, backward: str = "active"):
+    """The plan with the active-block forward and the given backward, None where they do not serve
+    it (refused at planning, or when its program is built: a block list past SMEM)."""
     try:
-        return with_forward_kernel(plan, "active")
+        active = with_kernels(plan, "active", backward)
+        cached_program(active)
+        return active
     except SplashConstraintError:
         return None
 
@@ -201,14 +204,15 @@ def _variants(call: Call, platform: str) -> dict:
     else:
         program = cached_program(plan)
         variants["plan"] = (program.forward, _step(program), lambda n: _named_arrays(call, program, n, "forward"))
-        active = _active(plan)
-        if active is not None:
-            fast = cached_program(active)
-            variants["plan, active forward"] = (
-                fast.forward,
-                _step(fast),
-                lambda n: _named_arrays(call, fast, n, "forward"),
-            )
+        for name, backward in (("plan, active forward", "splash"), ("plan, active kernels", "active")):
+            active = _active(plan, backward)
+            if active is not None:
+                fast = cached_program(active)
+                variants[name] = (
+                    fast.forward,
+                    _step(fast),
+                    lambda n, fast=fast: _named_arrays(call, fast, n, "forward"),
+                )
         if plan.batch > 1 and plan.batch_in_heads and plan.num_kv_heads > 1:
             loop = Program(plan, batch_in_heads=False)
             variants["plan, a call per batch element"] = (

@@ -29,7 +29,17 @@ from .estimate import (
     splash_works,
 )
 from .libtpu import DUMP_FLAGS, ESTIMATOR_LIBTPU, compile_schedules, dump_dir, environment, libtpu_release
-from .work import Work, active_work, block_classes, causal, dkv_work, forward_work, full_mask, tables_work
+from .work import (
+    Work,
+    active_backward_work,
+    active_work,
+    block_classes,
+    causal,
+    dkv_work,
+    forward_work,
+    full_mask,
+    tables_work,
+)
 
 __all__ = [
     "CHIPS",
@@ -62,5 +72,6 @@ __all__ = [
     "splash_estimate",
     "splash_works",
     "tables_work",
+    "active_backward_work",
     "active_work",
 ]

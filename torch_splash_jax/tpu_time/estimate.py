@@ -47,7 +47,7 @@ from . import schedule as schedule_lib
 from .chips import chip
 from .libtpu import compile_schedules, environment, estimator_libtpu_dir, libtpu_release
 from .schedule import Schedule, ScheduleError
-from .work import Work, active_work, tables_work
+from .work import Work, active_backward_work, active_work, tables_work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +261,8 @@ def kernel_kind(name: str) -> str:
     splash_decode)."""
     if re.search(r"(^|_)active_forward", name):  # the active-block forward (active_kernels)
         return "forward"
+    if re.search(r"(^|_)active_backward", name):  # the active-block backward: dq, dk and dv in one
+        return "dkv"
     found = re.search(r"splash_(?:m[hq]a_(fwd|dq|dkv)|(decode))", name)  # traced: jvp_vmap_splash_mha_fwd...
     if found is None:
         raise ScheduleError(f"kernel {name}: not a splash forward, dq, dkv or decode kernel")
@@ -297,6 +299,18 @@ def splash_works(program) -> dict[str, Work]:
                 infos["forward"].block_mask, "forward", block_q=blocks["block_q"], block_kv=blocks["block_kv"], **common
             )
         }
+    if program.active_backward is not None:
+        b = program.active_backward
+        works["dkv"] = active_backward_work(
+            b.grid,
+            b.blocks,
+            units=p.batch * p.num_kv_heads,
+            group=p.num_q_heads // p.num_kv_heads,
+            head_dim=p.head_dim,
+            head_dim_v=p.head_dim_v,
+            itemsize=common["itemsize"],
+        )
+        return works
     if infos.get("dq") is not None:
         works["dq"] = tables_work(
             infos["dq"].block_mask, "dq", block_q=blocks["block_q_dq"], block_kv=blocks["block_kv_dq"], **common

@@ -190,6 +190,45 @@ def tables_work(
     )
 
 
+def active_backward_work(
+    grid, blocks: dict, *, units: int, group: int, head_dim: int, head_dim_v: int, itemsize: int
+) -> Work:
+    """The active-block backward's work (`torch_splash_jax.active_kernels.backward`) from its block
+    list walked kv block after kv block (one list shared by the `units`, the batch x kv heads; each
+    entry taken once per query head of the group). Five matmuls a logit (q k^T, d_out v^T, p^T
+    d_out, ds^T q, ds k); its reads count each step's q and d_out blocks, each kv block's k and v
+    once, and dq's float32 block read and written back every step (dq accumulates in HBM). Segment
+    ids refine the kinds on the device: this counts the host's kinds."""
+    from ..active_kernels import FIRST, FULL, KIND, PARTIAL
+
+    _, _, flags, tile_kinds = (np.asarray(t)[0] for t in grid)
+    kind = flags & KIND
+    block_q, block_kv = blocks["block_q"], blocks["block_kv"]
+    rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
+    count = (block_q // rows) * (block_kv // chunk)
+    partial_tiles = tile_kinds[kind == PARTIAL]
+    tiles = []
+    for i in range(count):
+        taken = (partial_tiles >> (2 * i)) & KIND
+        tiles += [group * int((taken == FULL).sum()), group * int((taken == PARTIAL).sum())]
+    area = group * (int((kind == FULL).sum()) * block_q * block_kv + (sum(tiles) // group) * rows * chunk)
+    steps = group * int(flags.size)
+    columns = int(((flags & FIRST) != 0).sum())
+    per_step = block_q * (head_dim + head_dim_v) * itemsize + 2 * 4 * block_q * head_dim
+    return Work(
+        kind="dkv",
+        units=units,
+        steps=steps,
+        first=columns,
+        last=columns,
+        full=group * int((kind == FULL).sum()),
+        partial=group * int((kind == PARTIAL).sum()),
+        flops=2.0 * units * area * (3 * head_dim + 2 * head_dim_v),
+        read_bytes=float(units * (steps * per_step + columns * block_kv * (head_dim + head_dim_v) * itemsize)),
+        tiles=tuple(tiles),
+    )
+
+
 def active_work(grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: int, itemsize: int) -> Work:
     """The active-block forward's work (`torch_splash_jax.active_kernels`) from its block list
     (q block, kv block, flags, tile kinds; one list shared by the `units`) and its blocks. Segment
