@@ -190,6 +190,18 @@ def tables_work(
     )
 
 
+def _tile_counts(packed: np.ndarray, count: int) -> list[int]:
+    """Of partial blocks' packed tile kinds (2 bits a tile, `active_kernels.active_grid`), per tile
+    in the kernel's order: how many blocks take its unmasked and its masked path."""
+    from ..active_kernels import FULL, KIND, PARTIAL
+
+    tiles = []
+    for i in range(count):
+        taken = (packed >> (2 * i)) & KIND
+        tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
+    return tiles
+
+
 def active_backward_work(
     grid, blocks: dict, *, units: int, group: int, head_dim: int, head_dim_v: int, itemsize: int
 ) -> Work:
@@ -206,11 +218,7 @@ def active_backward_work(
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk)
-    partial_tiles = tile_kinds[kind == PARTIAL]
-    tiles = []
-    for i in range(count):
-        taken = (partial_tiles >> (2 * i)) & KIND
-        tiles += [group * int((taken == FULL).sum()), group * int((taken == PARTIAL).sum())]
+    tiles = [group * taken for taken in _tile_counts(tile_kinds[kind == PARTIAL], count)]
     area = group * (int((kind == FULL).sum()) * block_q * block_kv + (sum(tiles) // group) * rows * chunk)
     steps = group * int(flags.size)
     columns = int(((flags & FIRST) != 0).sum())
@@ -241,11 +249,7 @@ def active_work(grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: in
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] else 0
-    partial_tiles = tile_kinds[kind == PARTIAL]
-    tiles = []
-    for i in range(count):
-        taken = (partial_tiles >> (2 * i)) & KIND
-        tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
+    tiles = _tile_counts(tile_kinds[kind == PARTIAL], count)
     tile_area = sum(tiles) * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
     area = int((kind == FULL).sum()) * block_q * block_kv + tile_area
     runs = int(((kind == FULL) | (kind == PARTIAL)).sum())
