@@ -64,6 +64,19 @@ KERNEL_CASES = [
 ]
 
 
+def _allowed_and_ids(mask, lq: int, lkv: int, kv_len: int, options: dict, rng):
+    """A kernel case's allowed (Lq, Lkv) pairs (keys past kv_len hidden) and, where it has them,
+    sorted random segment ids (as the kernels take them) that further restrict it."""
+    allowed = np.zeros((lq, lkv), bool)
+    allowed[:, :kv_len] = mask.dense(lq, kv_len)
+    if not options.get("segment_ids"):
+        return allowed, None
+    q_ids = np.sort(rng.integers(0, 4, lq)).astype(np.int32)
+    kv_ids = np.sort(rng.integers(0, 4, lkv)).astype(np.int32)
+    allowed &= q_ids[:, None] == kv_ids[None, :]
+    return allowed, (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+
+
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
 def test_the_active_forward_matches_a_float64_softmax(case):
     """float32 inputs: the kernel accumulates in float32 from float32 logits, so output and logsumexp
@@ -74,14 +87,7 @@ def test_the_active_forward_matches_a_float64_softmax(case):
     k = rng.standard_normal((hkv, lkv, d)).astype(np.float32)
     v = rng.standard_normal((hkv, lkv, dv)).astype(np.float32)
     scale = d**-0.5
-    allowed = np.zeros((lq, lkv), bool)
-    allowed[:, :kv_len] = mask.dense(lq, kv_len)
-    ids = None
-    if options.get("segment_ids"):
-        q_ids = np.sort(rng.integers(0, 4, lq)).astype(np.int32)
-        kv_ids = np.sort(rng.integers(0, 4, lkv)).astype(np.int32)
-        allowed &= q_ids[:, None] == kv_ids[None, :]
-        ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    allowed, ids = _allowed_and_ids(mask, lq, lkv, kv_len, options, rng)
     sinks = rng.standard_normal(hq).astype(np.float32) if options.get("sinks") else None
     soft_cap = options.get("soft_cap")
     kinds = tables.block_mask_table(mask, lq, lkv, kv_len, bq, bkv)[None]
@@ -147,14 +153,7 @@ def test_the_active_backward_matches_float64_gradients(case):
     q, d_out = rng.standard_normal((hq, lq, d)), rng.standard_normal((hq, lq, dv))
     k, v = rng.standard_normal((hkv, lkv, d)), rng.standard_normal((hkv, lkv, dv))
     scale = d**-0.5
-    allowed = np.zeros((lq, lkv), bool)
-    allowed[:, :kv_len] = mask.dense(lq, kv_len)
-    ids = None
-    if options.get("segment_ids"):
-        q_ids = np.sort(rng.integers(0, 4, lq)).astype(np.int32)
-        kv_ids = np.sort(rng.integers(0, 4, lkv)).astype(np.int32)
-        allowed &= q_ids[:, None] == kv_ids[None, :]
-        ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    allowed, ids = _allowed_and_ids(mask, lq, lkv, kv_len, options, rng)
     sinks = rng.standard_normal(hq) if options.get("sinks") else None
     soft_cap = options.get("soft_cap")
     lse, di, *want = _float64_gradients(q, k, v, d_out, allowed[None], scale, soft_cap, sinks)
