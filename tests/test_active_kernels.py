@@ -77,8 +77,9 @@ def _allowed_and_ids(mask, lq: int, lkv: int, kv_len: int, options: dict, rng):
     return allowed, (jnp.asarray(q_ids), jnp.asarray(kv_ids))
 
 
+@pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
-def test_the_active_forward_matches_a_float64_softmax(case):
+def test_the_active_forward_matches_a_float64_softmax(case, straight):
     """float32 inputs: the kernel accumulates in float32 from float32 logits, so output and logsumexp
     agree with float64 to a few float32 roundings (measured about 5e-7); 1e-5 leaves room."""
     mask, hq, hkv, lq, lkv, kv_len, d, dv, (bq, bkv, chunk, rows), options = case
@@ -106,6 +107,7 @@ def test_the_active_forward_matches_a_float64_softmax(case):
         soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E,
         segment_ids=ids,
         sinks=None if sinks is None else jnp.asarray(sinks * active_kernels.LOG2E),
+        straight_patterns=straight,
         interpret=True,
     )
     want_out, want_lse = _float64_attention(
@@ -142,8 +144,9 @@ def _float64_gradients(q, k, v, d_out, allowed, scale, soft_cap=None, sinks=None
     return lse, di, dq, dk, dv
 
 
+@pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
-def test_the_active_backward_matches_float64_gradients(case):
+def test_the_active_backward_matches_float64_gradients(case, straight):
     """float32 inputs, the float64 logsumexp and row sums given: dq, dk, dv within 1e-5 of the
     largest gradient (measured at most 2.3e-6: float32 sums of a few hundred products). The cases
     walk dq's in-place accumulation through its three paths: a q block met again at once (causal,
@@ -166,7 +169,8 @@ def test_the_active_backward_matches_float64_gradients(case):
     found = active_kernels.backward(
         f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), f32(d_out), f32(lse), f32(di), grid,
         mask=mask, kv_len=kv_len, block_q=bq, block_kv=bkv, block_kv_compute=chunk, block_q_sub=rows,
-        soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E, segment_ids=ids, interpret=True,
+        soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E, segment_ids=ids,
+        straight_patterns=straight, interpret=True,
     )  # fmt: skip
     found = [np.asarray(found[0]), np.asarray(found[1]) * scale, np.asarray(found[2])]
     for name, got, expected in zip(("dq", "dk", "dv"), found, want):
@@ -319,16 +323,24 @@ def test_a_per_head_mask_is_refused_for_the_active_backward_alone():
 def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
     from torch_splash_jax.tpu_time import active_work
 
-    plan = torch_splash_jax.plan(
-        q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
-        block_sizes=ACTIVE,
-    )  # fmt: skip
-    active = torch_splash_jax.program(plan).active
-    work = active_work(active.grid, active.blocks, units=8, head_dim=128, head_dim_v=128, itemsize=2)
-    assert (work.steps, work.first, work.full, work.partial) == (3, 2, 1, 2)
-    # 16 tiles a block, each with its unmasked and its masked path: the two diagonal blocks take 6
-    # tiles wholly below the diagonal and 4 across it each
-    assert len(work.tiles) == 32 and sum(work.tiles[::2]) == 12 and sum(work.tiles[1::2]) == 8
+    def work(mask, length):
+        plan = torch_splash_jax.plan(
+            q_len=length, num_q_heads=8, head_dim=128, dtype="bfloat16", mask=mask, platform="tpu",
+            block_sizes=ACTIVE,
+        )  # fmt: skip
+        active = torch_splash_jax.program(plan).active
+        return active_work(active.grid, active.blocks, units=8, head_dim=128, head_dim_v=128, itemsize=2)
+
+    causal = work(sm.CausalMask(0), 4096)
+    assert (causal.steps, causal.first, causal.full, causal.partial) == (3, 2, 1, 2)
+    # the two diagonal blocks take one straight-line pattern, 10 of their 16 tiles
+    assert causal.patterns == (2,) and causal.tiles == ()
+    assert causal.flops == 2.0 * 8 * (2048 * 2048 + 2 * 10 * 512 * 512) * 256
+    # 3000-token chunks at 32K: more patterns than straight-line code may hold, a branch a tile;
+    # 16 tiles a block, each with its unmasked and its masked path, as many taken as computed
+    chunked = work(sm.ChunkedCausalMask(3000), 32768)
+    assert chunked.patterns == () and len(chunked.tiles) == 32
+    assert chunked.flops == 2.0 * 8 * sum(chunked.tiles) * 512 * 512 * 256
 
 
 def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():
@@ -340,3 +352,22 @@ def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():
     )  # fmt: skip
     with pytest.raises(torch_splash.SplashConstraintError, match="backward_kernel='active'.*SMEM"):
         torch_splash_jax.program(plan)
+
+
+def test_partial_blocks_run_straight_line_while_their_patterns_need_no_more_code_than_branches():
+    """Causal at 16K: one diagonal pattern (10 of 16 tiles) runs straight; a 3000-token chunked
+    causal mask has 14 patterns, more tiles than the 32 bodies of a branch a tile: branches. With
+    segment ids a full block's pattern (all 16 tiles) counts as well."""
+
+    def patterns(mask, length, segment_ids=False):
+        b = active_forward_blocks(length, length, 128)
+        grid = active_kernels.active_grid(
+            tables.block_mask_table(mask, length, length, length, b["block_q"], b["block_kv"])[None],
+            tables.block_mask_table(mask, length, length, length, b["block_q_sub"], b["block_kv_compute"])[None],
+        )
+        return active_kernels.tile_patterns(grid, segment_ids, 16)
+
+    (diagonal,) = patterns(sm.CausalMask(0), 16384)
+    assert sum(k != active_kernels.SKIP for k in active_kernels._unpack(diagonal, 16)) == 10
+    assert patterns(sm.ChunkedCausalMask(3000), 32768) == ()
+    assert len(patterns(sm.CausalMask(0), 16384, segment_ids=True)) == 2

@@ -114,11 +114,12 @@ def roles(schedule: Schedule) -> list[tuple[schedule_lib.Region, str, int]]:
 
     role: "always" (every step), "first" / "last" (the first and last step along the reduction
     axis), "run" (a block not skipped), or "full" and "partial" when the kernel has one region for
-    each, in that order (tokamax's kernels and the active-block forward; JAX's have one run region).
-    A region that wraps the block's whole work counts its own bundles on every step. A partial
-    region whose own regions hold matmuls runs its blocks in tiles (the active-block forward): its
-    children are "tile0", "tile1", ... (`Work.tiles` counts them). Other nested regions inside a
-    leaf are counted as taken.
+    each, in that order (tokamax's kernels and the active kernels; JAX's have one run region), or
+    "full" and "pattern0", "pattern1", ... when it has more (the active kernels' straight-line tile
+    patterns, `Work.patterns` counts them). A region that wraps the block's whole work counts its
+    own bundles on every step. A partial region whose own regions hold matmuls runs its blocks in
+    tiles (the active kernels, a branch a tile): its children are "tile0", "tile1", ...
+    (`Work.tiles` counts them). Other nested regions inside a leaf are counted as taken.
     """
     out = []
 
@@ -132,12 +133,10 @@ def roles(schedule: Schedule) -> list[tuple[schedule_lib.Region, str, int]]:
                 else:
                     out.append((region, "always", region.bundles))
             return
-        if not work or len(work) > 2:
-            raise ScheduleError(
-                f"{schedule.name}: {len(work)} regions with MXU work in the grid loop; the estimator reads "
-                "kernels with one run region, or one for full and one for partial blocks"
-            )
-        names = ["run"] if len(work) == 1 else ["full", "partial"]
+        if not work:
+            raise ScheduleError(f"{schedule.name}: no region with MXU work in the grid loop")
+        names = ["run"] if len(work) == 1 else ["full", "partial"] if len(work) == 2 else ["full"]
+        names += [f"pattern{i}" for i in range(len(work) - len(names))]
         first, last = regions.index(work[0]), regions.index(work[-1])
         for index, region in enumerate(regions):
             if region.matmuls:
@@ -175,10 +174,12 @@ def kernel_time(
         "full": work.full,
         "partial": work.partial,
         **{f"tile{i}": taken for i, taken in enumerate(work.tiles)},
+        **{f"pattern{i}": taken for i, taken in enumerate(work.patterns)},
     }
-    tiled = [role for _, role, _ in roles(schedule) if role.startswith("tile")]
-    if len(tiled) != len(work.tiles):
-        raise ScheduleError(f"{schedule.name}: {len(tiled)} tile regions, and the work counts {len(work.tiles)} tiles")
+    for kind, counted in (("tile", work.tiles), ("pattern", work.patterns if len(work.patterns) > 1 else ())):
+        found = [role for _, role, _ in roles(schedule) if role.startswith(kind)]
+        if len(found) != len(counted):
+            raise ScheduleError(f"{schedule.name}: {len(found)} {kind} regions, and the work counts {len(counted)}")
     per_unit = work.steps * schedule.base_bundles
     used = np.zeros(len(schedule.unit_names))
     for region, role, bundles in roles(schedule):
@@ -288,11 +289,12 @@ def splash_works(program) -> dict[str, Work]:
     blocks = p.block_sizes()
     fused = bool(blocks.get("use_fused_bwd_kernel"))
     infos = compat.kernel_mask_infos(program.kernel)
+    ids = p.has_segment_ids
     common = dict(
         units=p.batch * p.num_q_heads, head_dim=p.head_dim, head_dim_v=p.head_dim_v, itemsize=_itemsize(p.dtype)
     )
     if program.active is not None:  # the active-block forward
-        works = {"forward": active_work(program.active.grid, program.active.blocks, **common)}
+        works = {"forward": active_work(program.active.grid, program.active.blocks, **common, has_segment_ids=ids)}
     else:
         works = {
             "forward": tables_work(
@@ -309,6 +311,7 @@ def splash_works(program) -> dict[str, Work]:
             head_dim=p.head_dim,
             head_dim_v=p.head_dim_v,
             itemsize=common["itemsize"],
+            has_segment_ids=ids,
         )
         return works
     if infos.get("dq") is not None:

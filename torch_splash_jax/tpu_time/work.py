@@ -25,9 +25,12 @@ class Work:
     partial: int
     flops: float  # the useful MXU work of the whole call (blocks computed)
     read_bytes: float  # what the whole call reads from HBM (its writes are its outputs' bytes)
-    # A kernel whose partial blocks run in tiles (the active-block forward): per tile, in the
-    # kernel's order, how many partial blocks take its unmasked and its masked path.
+    # A kernel whose partial blocks run in tiles (the active kernels), a branch a tile: per tile, in
+    # the kernel's order, how many partial blocks take its unmasked and its masked path.
     tiles: tuple = ()
+    # A kernel whose partial blocks run as one stretch of code per tile pattern (the active kernels,
+    # `active_kernels.tile_patterns`): per pattern, in the kernel's order, how many blocks take it.
+    patterns: tuple = ()
 
     @property
     def run(self) -> int:
@@ -190,20 +193,35 @@ def tables_work(
     )
 
 
-def _tile_counts(packed: np.ndarray, count: int) -> list[int]:
-    """Of partial blocks' packed tile kinds (2 bits a tile, `active_kernels.active_grid`), per tile
-    in the kernel's order: how many blocks take its unmasked and its masked path."""
-    from ..active_kernels import FULL, KIND, PARTIAL
+def _tile_counts(grid, count: int, has_segment_ids: bool) -> tuple[list[int], list[int], int]:
+    """Of a block list's partial blocks (the host's kinds), as the active kernels run them: per
+    tile, how many take its unmasked and its masked path when they run a branch a tile (else []);
+    per straight-line tile pattern, how many take it (else []); and the tiles they compute."""
+    from ..active_kernels import FULL, KIND, PARTIAL, SKIP, tile_patterns
 
+    _, _, flags, sub = (np.asarray(t)[0] for t in grid)
+    packed = sub[(flags & KIND) == PARTIAL]
+    computed = sum(int((((packed >> (2 * i)) & KIND) != SKIP).sum()) for i in range(count))
+    patterns = tile_patterns(grid, has_segment_ids, count)
+    if patterns:
+        return [], [int((packed == p).sum()) for p in patterns], computed
     tiles = []
     for i in range(count):
         taken = (packed >> (2 * i)) & KIND
         tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
-    return tiles
+    return tiles, [], computed
 
 
 def active_backward_work(
-    grid, blocks: dict, *, units: int, group: int, head_dim: int, head_dim_v: int, itemsize: int
+    grid,
+    blocks: dict,
+    *,
+    units: int,
+    group: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    has_segment_ids: bool = False,
 ) -> Work:
     """The active-block backward's work (`torch_splash_jax.active_kernels.backward`) from its block
     list walked kv block after kv block (one list shared by the `units`, the batch x kv heads; each
@@ -213,13 +231,12 @@ def active_backward_work(
     ids refine the kinds on the device: this counts the host's kinds."""
     from ..active_kernels import FIRST, FULL, KIND, PARTIAL
 
-    _, _, flags, tile_kinds = (np.asarray(t)[0] for t in grid)
+    flags = np.asarray(grid[2])[0]
     kind = flags & KIND
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
-    count = (block_q // rows) * (block_kv // chunk)
-    tiles = [group * taken for taken in _tile_counts(tile_kinds[kind == PARTIAL], count)]
-    area = group * (int((kind == FULL).sum()) * block_q * block_kv + (sum(tiles) // group) * rows * chunk)
+    tiles, patterns, computed = _tile_counts(grid, (block_q // rows) * (block_kv // chunk), has_segment_ids)
+    area = group * (int((kind == FULL).sum()) * block_q * block_kv + computed * rows * chunk)
     steps = group * int(flags.size)
     columns = int(((flags & FIRST) != 0).sum())
     per_step = block_q * (head_dim + head_dim_v) * itemsize + 2 * 4 * block_q * head_dim
@@ -233,24 +250,27 @@ def active_backward_work(
         partial=group * int((kind == PARTIAL).sum()),
         flops=2.0 * units * area * (3 * head_dim + 2 * head_dim_v),
         read_bytes=float(units * (steps * per_step + columns * block_kv * (head_dim + head_dim_v) * itemsize)),
-        tiles=tuple(tiles),
+        tiles=tuple(group * taken for taken in tiles),
+        patterns=tuple(group * taken for taken in patterns),
     )
 
 
-def active_work(grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: int, itemsize: int) -> Work:
+def active_work(
+    grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: int, itemsize: int, has_segment_ids: bool = False
+) -> Work:
     """The active-block forward's work (`torch_splash_jax.active_kernels`) from its block list
     (q block, kv block, flags, tile kinds; one list shared by the `units`) and its blocks. Segment
     ids refine the kinds on the device: this counts the host's kinds, an upper bound on the full
     blocks."""
     from ..active_kernels import FIRST, FULL, KIND, PARTIAL
 
-    _, _, flags, tile_kinds = (np.asarray(t)[0] for t in grid)
+    flags = np.asarray(grid[2])[0]
     kind = flags & KIND
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] else 0
-    tiles = _tile_counts(tile_kinds[kind == PARTIAL], count)
-    tile_area = sum(tiles) * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids) if count else ([], [], 0)
+    tile_area = computed * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
     area = int((kind == FULL).sum()) * block_q * block_kv + tile_area
     runs = int(((kind == FULL) | (kind == PARTIAL)).sum())
     row_count = int(((flags & FIRST) != 0).sum())
@@ -267,4 +287,5 @@ def active_work(grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: in
             units * (row_count * block_q * head_dim + runs * block_kv * (head_dim + head_dim_v)) * itemsize
         ),
         tiles=tuple(tiles),
+        patterns=tuple(patterns),
     )
