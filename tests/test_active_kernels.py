@@ -344,14 +344,26 @@ def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
 
 
 def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():
-    """Causal 454,656 tokens: the backward's 1024-row blocks list 49,153 active blocks, one more
-    than the SMEM tables hold (docs/tpu.md); refused before any JAX work, naming the option."""
-    plan = torch_splash_jax.plan(
-        q_len=454656, num_q_heads=1, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
-        block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"),
-    )  # fmt: skip
+    """Causal: the forward's 2048 x 2048 blocks list 49,153 active blocks at 643,072 tokens, one
+    more than the SMEM tables hold (docs/tpu.md); refused before any JAX work, naming the option.
+    The backward's 1024-row blocks would overrun them from 454,656 tokens: it takes 2048-row blocks
+    there, and serves as far as the forward."""
+
+    def program(length, **kernels):
+        plan = torch_splash_jax.plan(
+            q_len=length, num_q_heads=1, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
+            block_sizes=torch_splash_jax.BlockSizes(**kernels),
+        )  # fmt: skip
+        return torch_splash_jax.program(plan)
+
+    assert program(452608, backward_kernel="active").active_backward.blocks["block_q"] == 1024
+    grown = program(454656, backward_kernel="active").active_backward
+    assert grown.blocks["block_q"] == 2048 and grown.grid[0].size <= 49152
+    assert program(641024, forward_kernel="active").active_backward.grid[0].size <= 49152
     with pytest.raises(torch_splash.SplashConstraintError, match="backward_kernel='active'.*SMEM"):
-        torch_splash_jax.program(plan)
+        program(643072, backward_kernel="active")
+    with pytest.raises(torch_splash.SplashConstraintError, match="forward_kernel='active'.*SMEM"):
+        program(643072, forward_kernel="active")
 
 
 def test_partial_blocks_run_straight_line_while_their_patterns_need_no_more_code_than_branches():

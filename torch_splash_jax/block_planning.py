@@ -374,9 +374,12 @@ def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int, 
     return dict(block_q=block_q, block_kv=block_kv, block_kv_compute=chunk, block_q_sub=rows if split else None)
 
 
-def active_backward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int) -> dict:
-    """The active-block backward's blocks: the forward's with q blocks of at most 1024 rows (2048
-    took 1.66x as long on the chip) and tile rows a multiple of 128 (the backward holds a tile's
-    logits transposed, its query rows along the lanes)."""
-    block_q = _largest_divisor(q_len_padded, ACTIVE_BACKWARD_BLOCK_Q, LANES) or q_len_padded
+def active_backward_blocks(
+    q_len_padded: int, kv_len_padded: int, head_dim: int, most_rows: int = ACTIVE_BACKWARD_BLOCK_Q
+) -> dict:
+    """The active-block backward's blocks: the forward's with q blocks of at most `most_rows` rows
+    (1024: 2048 took 1.66x as long on the chip, and is for lists of 1024-row blocks too long for
+    SMEM) and tile rows a multiple of 128 (the backward holds a tile's logits transposed, its query
+    rows along the lanes)."""
+    block_q = _largest_divisor(q_len_padded, most_rows, LANES) or q_len_padded
     return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from . import active_kernels, compat, policy
 from . import tables as _tables
-from .block_planning import active_backward_blocks, active_forward_blocks
+from .block_planning import ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q, active_backward_blocks, active_forward_blocks
 from .errors import SplashConstraintError
 from .kernel_limits import ACTIVE_TABLE_ENTRIES, compute_dtype
 from .kernel_tables import KernelTables
@@ -398,10 +398,16 @@ class _ActiveBackward:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.mask = shared_structured_mask(plan.mask)
-        self.blocks = active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
-        b = self.blocks
-        tile_kinds = _kinds(self.mask, plan, b["block_q_sub"] or b["block_q"], b["block_kv_compute"])
-        self.grid = active_kernels.column_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
+        # 1024-row q blocks; 2048 where their list outgrows SMEM (causal past 452,608 tokens): slower
+        # on the chip, but served as far as the forward's list
+        head_dim = max(plan.head_dim, plan.head_dim_v)
+        for most_rows in (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
+            b = active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows)
+            tile_kinds = _kinds(self.mask, plan, b["block_q_sub"] or b["block_q"], b["block_kv_compute"])
+            self.grid = active_kernels.column_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
+            if self.grid[0].size <= ACTIVE_TABLE_ENTRIES:
+                break
+        self.blocks = b
         _check_entries(self.grid, b, plan, "backward_kernel")
 
     def __call__(self, q, k, v, segment_ids, d_out, lse, di):
