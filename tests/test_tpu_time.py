@@ -89,9 +89,19 @@ def test_two_matmul_regions_are_full_and_partial_blocks(tmp_path):
     assert [role for _, role, _ in tpu_time.roles(s)] == ["first", "full", "partial", "last"]
 
 
-def test_a_kernel_of_another_shape_is_reported_not_guessed(tmp_path):
-    with pytest.raises(schedule.ScheduleError, match="3 regions with MXU work"):
-        tpu_time.roles(_grid_kernel(tmp_path, matmul_regions=3))
+def test_more_matmul_regions_are_the_full_path_and_tile_patterns(tmp_path):
+    """Three regions with MXU work: the full path and two straight-line tile patterns (the active
+    kernels'), each counted for the blocks that take it; a work that does not count two patterns
+    is reported, not guessed."""
+    s = _grid_kernel(tmp_path, matmul_regions=3)
+    assert [role for _, role, _ in tpu_time.roles(s)] == ["first", "full", "pattern0", "pattern1", "last"]
+    work = tpu_time.Work("forward", units=1, steps=10, first=2, last=2, full=5, partial=3, flops=0.0, read_bytes=0.0)
+    with pytest.raises(schedule.ScheduleError, match="2 pattern regions, and the work counts 0"):
+        tpu_time.kernel_time(s, work, "v5e")
+    b = {role: bundles for _, role, bundles in tpu_time.roles(s)}
+    t = tpu_time.kernel_time(s, dataclasses.replace(work, patterns=(2, 1)), "v5e", calibrated=False)
+    per_step = 2 * b["first"] + 5 * b["full"] + 2 * b["pattern0"] + b["pattern1"] + 2 * b["last"]
+    assert t.bundles == s.outside_loop + 10 * s.base_bundles + per_step
 
 
 def test_a_kernel_without_a_loop_is_read_as_one_grid_step(tmp_path):
