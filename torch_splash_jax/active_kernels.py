@@ -133,6 +133,16 @@ def _unpack(pattern: int, count: int) -> list[int]:
     return [(pattern >> (2 * i)) & KIND for i in range(count)]
 
 
+def _when_pattern(patterns: tuple[int, ...], lines: int, per_line: int, kind, entry_tiles, run) -> None:
+    """In a kernel: for each static tile pattern, `run(kinds)` where the entry is partial and its
+    packed tile kinds `entry_tiles` are that pattern; kinds as `lines` lists of `per_line` tiles,
+    in bit order."""
+    for pattern in patterns:
+        kinds = _unpack(pattern, lines * per_line)
+        split = [kinds[i * per_line : (i + 1) * per_line] for i in range(lines)]
+        pl.when((kind == PARTIAL) & (entry_tiles == pattern))(functools.partial(run, split))
+
+
 def segment_kinds(q_block, kv_block, flags, q_ids, kv_ids, block_q: int, block_kv: int):
     """The flags of `active_grid` refined by segment ids q_ids (Lq,), kv_ids (Lkv,) on the device:
     a full block stays full only where its rows and keys all share one segment id, a block whose
@@ -251,12 +261,8 @@ def _forward_kernel(
         pl.when(kind == PARTIAL)(functools.partial(straight, [[PARTIAL] * chunks], False))
     else:
         row_tiles = block_q // block_q_sub
-        for pattern in patterns:
-            kinds = _unpack(pattern, row_tiles * chunks)
-            rows = [kinds[r * chunks : (r + 1) * chunks] for r in range(row_tiles)]
-            pl.when((kind == PARTIAL) & (sub_kinds_ref[t] == pattern))(
-                functools.partial(straight, rows, has_segment_ids)
-            )
+        run = functools.partial(straight, masked_full=has_segment_ids)
+        _when_pattern(patterns, row_tiles, chunks, kind, sub_kinds_ref[t], run)
         if not patterns:
             pl.when(kind == PARTIAL)(sub_tiled)
 
@@ -574,12 +580,8 @@ def _backward_kernel(
                 pl.when(tile_kind == PARTIAL)(functools.partial(run, True))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * row_tiles] * chunks, has_segment_ids))
-    for pattern in patterns:
-        kinds = _unpack(pattern, row_tiles * chunks)
-        columns = [kinds[c * row_tiles : (c + 1) * row_tiles] for c in range(chunks)]
-        pl.when((kind == PARTIAL) & (sub_kinds_ref[e] == pattern))(
-            functools.partial(straight, columns, has_segment_ids)
-        )
+    run = functools.partial(straight, masked_full=has_segment_ids)
+    _when_pattern(patterns, chunks, row_tiles, kind, sub_kinds_ref[e], run)
     if not patterns:
         pl.when(kind == PARTIAL)(tiled)
 
