@@ -15,6 +15,7 @@ import torch_splash_jax
 from torch_splash_jax import active_kernels, tables
 from torch_splash_jax import structured_masks as sm
 from torch_splash_jax.block_planning import active_backward_blocks, active_forward_blocks
+from torch_splash_jax.data_masks import DenseMask
 
 ACTIVE = torch_splash_jax.BlockSizes(forward_kernel="active")
 
@@ -178,6 +179,109 @@ def test_the_active_backward_matches_float64_gradients(case, straight):
         assert error <= 1e-5, (name, error)
 
 
+def _random_dense(lq: int, kv_len: int, seed: int):
+    """A DenseMask with full, empty and partial blocks at the test's block sizes: causal with
+    random holes and a band of rows that see no key."""
+    rng = np.random.default_rng(seed)
+    array = np.tril(np.ones((lq, kv_len), bool)) & (rng.random((lq, kv_len)) > 0.3)
+    array[: lq // 4, kv_len // 2 :] = True  # a full region, past the diagonal
+    array[lq // 2 : lq // 2 + 20] = False  # rows with no key
+    return DenseMask(array)
+
+
+STORED_CASES = [
+    # (heads' masks, kv heads, Lq, Lkv, kv_len, blocks (q, kv, chunk, tile rows), options): masks
+    # read from stored blocks, one shared (G 1) or one per query head (G = heads)
+    ("dense", 2, 512, 512, 500, (128, 256, 128, 64), {}),
+    ("dense", 2, 512, 512, 512, (256, 256, 128, 128), dict(segment_ids=True)),
+    ("per-head", 2, 512, 512, 512, (128, 256, 128, 64), dict(soft_cap=5.0, sinks=True)),  # GQA 4 -> 2
+    ("per-head", 1, 512, 640, 600, (256, 128, 128, None), {}),  # MQA, one tile a block
+]
+
+
+def _stored_heads(kind: str, lq: int, kv_len: int, seed: int) -> tuple:
+    if kind == "dense":
+        return (_random_dense(lq, kv_len, seed),) * 4
+    return (sm.CausalMask(0), sm.LocalMask(64, 0), sm.ChunkedCausalMask(128), _random_dense(lq, kv_len, seed))
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
+@pytest.mark.parametrize("case", STORED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[4]}-{sorted(c[6])}")
+def test_the_active_kernels_read_stored_masks_like_a_float64_softmax(case, straight):
+    """Masks that are data, and one mask per query head, from stored blocks (`stored_tiles`,
+    `block_index`): forward output and logsumexp, and dq, dk, dv (per-head lists in the backward,
+    their dk and dv summed over a kv head's query heads), within the structured cases' tolerances
+    of float64."""
+    kind, hkv, lq, lkv, kv_len, (bq, bkv, chunk, rows), options = case
+    hq, d = 4, 64
+    heads = _stored_heads(kind, lq, kv_len, seed=3)
+    rng = np.random.default_rng(2)
+    q, d_out = rng.standard_normal((hq, lq, d)), rng.standard_normal((hq, lq, d))
+    k, v = rng.standard_normal((hkv, lkv, d)), rng.standard_normal((hkv, lkv, d))
+    scale = d**-0.5
+    allowed = np.zeros((hq, lq, lkv), bool)
+    allowed[:, :, :kv_len] = np.stack([h.dense(lq, kv_len) for h in heads])
+    ids = None
+    if options.get("segment_ids"):
+        q_ids = np.sort(rng.integers(0, 3, lq)).astype(np.int32)
+        kv_ids = np.sort(rng.integers(0, 3, lkv)).astype(np.int32)
+        allowed &= (q_ids[:, None] == kv_ids[None, :])[None]
+        ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    sinks = rng.standard_normal(hq) if options.get("sinks") else None
+    soft_cap = options.get("soft_cap")
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    common = dict(
+        mask=None, kv_len=kv_len, soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E,
+        segment_ids=ids, straight_patterns=straight, interpret=True,
+    )  # fmt: skip
+
+    kinds, block_ids, blocks = tables.stored_blocks(heads, lq, lq, lkv, kv_len, bq, bkv)
+    assert kinds.shape[0] == (1 if kind == "dense" else hq)
+    tile_kinds = active_kernels.stored_tiles(kinds, block_ids, blocks, rows or bq, chunk)
+    grid = active_kernels.active_grid(kinds, tile_kinds)
+    out, lse = active_kernels.forward(
+        f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), grid, block_q=bq, block_kv=bkv,
+        block_kv_compute=chunk, block_q_sub=rows, sinks=None if sinks is None else f32(sinks * active_kernels.LOG2E),
+        stored_mask=(active_kernels.block_index(grid, block_ids), blocks), **common,
+    )  # fmt: skip
+    want_out, want_lse = _float64_attention(q, k, v, allowed, scale, soft_cap, sinks)
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5, rtol=1e-5)
+    finite = np.isfinite(want_lse)
+    assert (np.isfinite(np.asarray(lse)) == finite).all()
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
+
+    lse, di, *want = _float64_gradients(q, k, v, d_out, allowed, scale, soft_cap, sinks)
+    rows = 128  # the backward's tile rows are query lanes
+    kinds, block_ids, blocks = tables.stored_blocks(heads, lq, lq, lkv, kv_len, bq, bkv)
+    grid = active_kernels.column_grid(kinds, active_kernels.stored_tiles(kinds, block_ids, blocks, rows, chunk))
+    found = active_kernels.backward(
+        f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), f32(d_out), f32(lse), f32(di), grid,
+        block_q=bq, block_kv=bkv, block_kv_compute=chunk, block_q_sub=rows,
+        stored_mask=(active_kernels.block_index(grid, block_ids), blocks.transpose(0, 2, 1)), **common,
+    )  # fmt: skip
+    found = [np.asarray(found[0]), np.asarray(found[1]) * scale, np.asarray(found[2])]
+    for name, got, expected in zip(("dq", "dk", "dv"), found, want):
+        error = np.abs(got - expected).max() / np.abs(expected).max()
+        assert error <= 1e-5, (name, error)
+
+
+def test_a_stored_block_is_named_by_every_entry_that_reads_none():
+    """Entries that read no stored block (full, empty) name the last block read, the first ones
+    the first block read: the pipeline then fetches a block only where one is read."""
+    heads = (_random_dense(512, 512, seed=4),)
+    kinds, block_ids, blocks = tables.stored_blocks(heads, 512, 512, 512, 512, 128, 128)
+    grid = active_kernels.active_grid(kinds)
+    index = active_kernels.block_index(grid, block_ids)[0]
+    partial = np.flatnonzero(grid[2][0] & active_kernels.KIND == active_kernels.PARTIAL)
+    assert len(partial) and not (grid[2][0] & active_kernels.KIND == active_kernels.PARTIAL).all()
+    assert (index[partial] == block_ids[0, grid[0][0, partial], grid[1][0, partial]]).all()
+    assert (index[: partial[0]] == index[partial[0]]).all()
+    reads = 1 + np.count_nonzero(np.diff(index))
+    assert reads <= len(partial)
+    for b in range(len(blocks)):  # each distinct block once
+        assert not any((blocks[b] == blocks[o]).all() for o in range(b))
+
+
 def test_the_column_grid_walks_each_kv_block_s_active_rows_once():
     mask = sm.CausalMask(-300) | sm.LocalMask(0, 0, 700)
     kinds = tables.block_mask_table(mask, 1024, 1280, 1024, 128, 256)  # the last kv block holds no key
@@ -289,20 +393,69 @@ def test_bfloat16_through_the_active_forward_is_as_close_to_float64_as_jax_s_ker
     assert errors["active"] <= errors["splash"] + 2**-8, errors
 
 
-@pytest.mark.parametrize(
-    "mask,why",
-    [
-        (
-            torch_splash.masks.MultiHeadMask([torch_splash.masks.CausalMask(0), torch_splash.masks.LocalMask(5)]),
-            "shared by every head",
-        ),
-        (torch_splash.masks.DenseMask(np.tril(np.ones((64, 64), bool))), "shared by every head"),
-    ],
-)
-def test_calls_the_active_forward_cannot_serve_are_refused_before_any_kernel_work(mask, why):
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
-    with pytest.raises(torch_splash.SplashConstraintError, match=why):
-        torch_splash.attention(q, k, v, mask, block_sizes=ACTIVE)
+def _holes(length: int, seed: int) -> np.ndarray:
+    """Causal with random holes, and rows that see no key: a tensor mask with every block kind."""
+    rng = np.random.default_rng(seed)
+    array = np.tril(np.ones((length, length), bool)) & (rng.random((length, length)) > 0.2)
+    array[length // 2 : length // 2 + 7] = False
+    return array
+
+
+STORED_TORCH_CASES = [
+    # (batch, hq, hkv, L, mask, options): masks the active kernels read from stored blocks
+    (2, 4, 2, 300, "tensor", {}),  # a bool tensor, lengths off the 128 grid
+    (1, 4, 2, 256, "per-head", {}),  # one structured mask per head, GQA
+    (2, 2, 1, 200, "per-head", dict(segment_ids=True, soft_cap=20.0)),  # MQA, a list per head
+]
+
+
+def _stored_mask(kind: str, heads: int, length: int):
+    m = torch_splash.masks
+    if kind == "tensor":
+        return torch.from_numpy(_holes(length, seed=5))
+    per_head = [m.CausalMask(0), m.LocalMask(40, 0), m.ChunkedCausalMask(64), m.DenseMask(_holes(length, 6))]
+    return m.MultiHeadMask(per_head[:heads])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", STORED_TORCH_CASES, ids=lambda c: f"b{c[0]}-{c[1]}x{c[2]}-L{c[3]}-{c[4]}")
+def test_stored_and_per_head_masks_through_the_active_kernels_match_the_reference(case, dtype):
+    """Masks that are data and one mask per head run through both active kernels from stored
+    blocks, at the tolerances of every other call."""
+    batch, hq, hkv, length, kind, options = case
+    options = dict(options)
+    q, k, v = make_qkv(batch, hq, hkv, length, length, 32, 32, dtype)
+    if options.pop("segment_ids", False):
+        options["segment_ids"] = (torch.arange(length)[None] >= torch.tensor([[60], [130]])[:batch]).int()
+    spec = DenseMask(_holes(length, seed=5)) if kind == "tensor" else _stored_mask(kind, hq, length)
+    plan = torch_splash_jax.plan(
+        q_len=length, num_q_heads=hq, num_kv_heads=hkv, head_dim=32, dtype="float32", mask=spec, block_sizes=ACTIVE
+    )  # fmt: skip
+    program = torch_splash_jax.program(plan)
+    assert program.active.stored is not None and program.active_backward.stored is not None
+    assert_matches_reference(q, k, v, _stored_mask(kind, hq, length), block_sizes=ACTIVE, **options)
+
+
+def test_tensor_masks_of_other_contents_run_the_same_active_program():
+    """A stored mask's list and blocks are program inputs in rounded shapes: a tensor mask with
+    other contents (padding anew, as each HF batch brings) traces nothing new."""
+    from torch_splash_jax.splash_program import TRACES
+
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 32, 32, torch.float32)
+    masks = [torch.from_numpy(_holes(256, seed)) for seed in (7, 8, 9)]
+    torch_splash.attention(q, k, v, masks[0], block_sizes=ACTIVE).sum().backward()
+    before = dict(TRACES)
+    for mask in masks[1:]:
+        assert_matches_reference(q, k, v, mask, block_sizes=ACTIVE)
+    assert dict(TRACES) == before
+
+
+def test_a_sharded_call_is_refused_for_the_active_kernels_before_any_kernel_work():
+    with pytest.raises(torch_splash_jax.SplashConstraintError, match="backward_kernel='active': the call is sharded"):
+        torch_splash_jax.plan(
+            q_len=1024, num_q_heads=4, head_dim=64, dtype="bfloat16", mask=sm.CausalMask(0), q_shards=2,
+            block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("field", ["forward_kernel", "backward_kernel"])
@@ -310,14 +463,6 @@ def test_an_unknown_kernel_is_refused(field):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
     with pytest.raises(torch_splash.SplashConstraintError, match=f"{field}='fast'"):
         torch_splash.attention(q, k, v, "causal", block_sizes=torch_splash_jax.BlockSizes(**{field: "fast"}))
-
-
-def test_a_per_head_mask_is_refused_for_the_active_backward_alone():
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
-    mask = torch_splash.masks.MultiHeadMask([torch_splash.masks.CausalMask(0), torch_splash.masks.LocalMask(5)])
-    blocks = torch_splash_jax.BlockSizes(backward_kernel="active")
-    with pytest.raises(torch_splash.SplashConstraintError, match="backward_kernel='active'"):
-        torch_splash.attention(q, k, v, mask, block_sizes=blocks)
 
 
 def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():

@@ -168,6 +168,22 @@ DEFAULT = [
     # the longest causal call their SMEM tables hold (the forward's list of 2048 x 2048 blocks; the
     # backward's grown from 1024 to 2048 rows there)
     _case("active-long-641k-causal", 2, 1, 641024, 641024, 128, "bfloat16", "CausalMask(0)", blocks=ACTIVE),
+    # masks they read from stored blocks (an int8 block a partial entry): FlexAttention's packed
+    # documents (2048 x 2048 blocks, GQA), one structured mask per head (a list per head, the
+    # backward's dk and dv summed over a group) and a bool tensor off the 128 grid in float32
+    _case("active-documents-8k", 16, 8, 8192, 8192, 128, "bfloat16", "documents", blocks=ACTIVE),
+    _case(
+        "active-per-head-d64-bf16-1024",
+        4,
+        2,
+        1024,
+        1024,
+        64,
+        "bfloat16",
+        "MultiHeadMask((CausalMask(0), LocalMask(100, 0), ChunkedCausalMask(256), FullMask()))",
+        blocks=ACTIVE,
+    ),
+    _case("active-dense-f32-300", 2, 2, 300, 300, 64, "float32", "dense", segment_ids=True, blocks=ACTIVE),
 ]
 
 # v6e differs from v5e in VMEM and MXU: the default set compiles these for it too (the head dims,
@@ -186,6 +202,9 @@ ALSO_V6E = {
     "active-causal-d128-bf16-b4-4k",
     "active-window-ids-cap-sinks-f32-1000",
     "active-mqa-d256-bf16-129",
+    "active-documents-8k",
+    "active-per-head-d64-bf16-1024",
+    "active-dense-f32-300",
 }
 # The infer program is the forward's kernel without the logsumexp output: compiled for those too,
 # and for every case under -m slow.

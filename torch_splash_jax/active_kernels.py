@@ -45,6 +45,10 @@ FIRST, LAST = 4, 8
 NT = (((1,), (1,)), ((), ()))  # contract the last axes: q k^T
 NN = (((1,), (0,)), ((), ()))
 MAX_TILES = 16  # 2 bits each in one int32 table entry
+# A stored mask's blocks are bool, which TPU memory holds as int32. int8 would take a quarter, but
+# libtpu 0.0.21 (torch_xla 2.9's) aborts the process compiling an int8 block ("Check failed:
+# rem == 0" in layout.h), where 0.0.52 compiles it.
+MASK_BYTES = 4
 
 
 def lane_tile(x, times: int):
@@ -162,6 +166,38 @@ def segment_kinds(q_block, kv_block, flags, q_ids, kv_ids, block_q: int, block_k
     return (flags & ~KIND) | kind
 
 
+def stored_tiles(kinds: np.ndarray, block_ids: np.ndarray, blocks: np.ndarray, rows: int, chunk: int) -> np.ndarray:
+    """The tile kinds (G, nq * R, nkv * C) of a mask read from stored blocks, for `active_grid`:
+    kinds (G, nq, nkv) and block_ids (G, nq, nkv) (the stored block of each partial block; see
+    `tables.stored_blocks`), blocks (N, block_q, block_kv) bool, in tiles of rows x chunk."""
+    g, nq, nkv = kinds.shape
+    r, c = blocks.shape[1] // rows, blocks.shape[2] // chunk
+    tiles = np.broadcast_to(kinds[:, :, None, :, None], (g, nq, r, nkv, c)).copy()
+    if len(blocks):
+        split = blocks.reshape(-1, r, rows, c, chunk)
+        each = np.where(split.all(axis=(2, 4)), FULL, np.where(split.any(axis=(2, 4)), PARTIAL, SKIP))
+        partial = kinds == PARTIAL
+        tiles.transpose(0, 1, 3, 2, 4)[partial] = each[block_ids[partial]]
+    return tiles.reshape(g, nq * r, nkv * c).astype(np.int32)
+
+
+def block_index(grid, block_ids: np.ndarray) -> np.ndarray:
+    """Each entry's stored block, (G, N) int32 like the grid's tables: block_ids[g, q block, kv
+    block] on partial entries; an entry that reads none names the block of the last one that
+    did (the first ones: the first read), so the pipeline fetches nothing new for it."""
+    q_block, kv_block, flags, _ = (np.asarray(x) for x in grid)
+    lists = np.arange(q_block.shape[0])[:, None] if block_ids.shape[0] > 1 else 0
+    index = np.asarray(block_ids)[lists, q_block, kv_block].astype(np.int32)
+    reads = (flags & KIND) == PARTIAL
+    out = np.zeros_like(index)
+    for g in range(index.shape[0]):
+        at = np.flatnonzero(reads[g])
+        if at.size:
+            last = np.maximum.accumulate(np.where(reads[g], np.arange(index.shape[1]), -1))
+            out[g] = index[g, np.where(last < 0, at[0], last)]
+    return out
+
+
 def _forward_kernel(
     q_block_ref,
     kv_block_ref,
@@ -181,11 +217,14 @@ def _forward_kernel(
     width: int,
     patterns: tuple[int, ...],
 ):
+    if mask is None:  # read from stored blocks: the fifth table names each entry's
+        block_index_ref, *refs = refs
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
     refs = refs[3:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    mask_ref = refs.pop(0) if mask is None else None
     out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     h, n = pl.program_id(0), pl.program_id(1)
     t = (h * width if per_head_lists else 0) + n
@@ -217,33 +256,38 @@ def _forward_kernel(
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 if tile_kind == PARTIAL or masked_full:
-                    s = jnp.where(allowed(r * rows_per, rows_per, c), s, MASKED)
+                    s = jnp.where(allowed(r * rows_per, rows_per, c, tile_kind), s, MASKED)
                 m, total = _online_softmax(s, v_ref[cols, :], m, total, acc_ref, rows)
             m_ref[rows, :], l_ref[rows, :] = m, total
 
-    def allowed(row0: int, rows: int, c: int):
+    def allowed(row0: int, rows: int, c: int, tile_kind: int):
         """Which logits of `rows` rows from row0 and key chunk c the mask, the real keys and the
-        segment ids allow."""
-        row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        keys = kv_block_ref[t] * block_kv + c * block_kv_compute
-        keys = keys + lax.broadcasted_iota(jnp.int32, (1, block_kv_compute), 1)
-        ok = mask.allows(row_ids, keys)
-        real = keys < kv_len
-        ok = real if ok is None else ok & real
+        segment ids allow. A stored mask is read on partial tiles only: a full block that segment
+        ids made partial has no stored block."""
+        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+        if mask is None:
+            ok = mask_ref[row0 : row0 + rows, cols] if tile_kind == PARTIAL else None
+        else:
+            row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            keys = kv_block_ref[t] * block_kv + c * block_kv_compute
+            keys = keys + lax.broadcasted_iota(jnp.int32, (1, block_kv_compute), 1)
+            ok = mask.allows(row_ids, keys)
+            real = keys < kv_len
+            ok = real if ok is None else ok & real
         if has_segment_ids:
-            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
-            ok = ok & (q_ids_ref[row0 : row0 + rows, :] == kv_ids_ref[:, cols])
+            same = q_ids_ref[row0 : row0 + rows, :] == kv_ids_ref[:, cols]
+            ok = same if ok is None else ok & same
         return ok
 
-    def tile(r: int, c: int, masked: bool):
+    def tile(r: int, c: int, tile_kind: int):
         """One tile of a partial block: rows r of block_q_sub, keys chunk c."""
         rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
         cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
         s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        if masked:
-            s = jnp.where(allowed(r * block_q_sub, block_q_sub, c), s, MASKED)
+        if tile_kind == PARTIAL or has_segment_ids:
+            s = jnp.where(allowed(r * block_q_sub, block_q_sub, c, tile_kind), s, MASKED)
         m_ref[rows, :], l_ref[rows, :] = _online_softmax(
             s, v_ref[cols, :], m_ref[rows, :], l_ref[rows, :], acc_ref, rows
         )
@@ -253,8 +297,8 @@ def _forward_kernel(
         for r in range(block_q // block_q_sub):
             for c in range(chunks):
                 tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND
-                pl.when(tile_kind == FULL)(functools.partial(tile, r, c, has_segment_ids))
-                pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, True))
+                pl.when(tile_kind == FULL)(functools.partial(tile, r, c, FULL))
+                pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * chunks], False))
     if not block_q_sub:
@@ -285,12 +329,20 @@ def _forward_kernel(
 
 
 def vmem_bytes(
-    block_q: int, block_kv: int, block_kv_compute: int, head_dim: int, head_dim_v: int, itemsize: int
+    block_q: int,
+    block_kv: int,
+    block_kv_compute: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    stored_mask: bool = False,
 ) -> int:
-    """The scoped VMEM the forward asks for: its double-buffered blocks, its scratch and the float32
-    logits and probabilities of a chunk (a few copies live at once), twice over for the
-    compiler's own temporaries, at least the 16 MiB TPUs give by default and at most v7x's 64 MiB."""
+    """The scoped VMEM the forward asks for: its double-buffered blocks (a stored mask's block
+    too), its scratch and the float32 logits and probabilities of a chunk (a few copies live at
+    once), twice over for the compiler's own temporaries, at least the 16 MiB TPUs give by
+    default and at most v7x's 64 MiB."""
     blocks = 2 * itemsize * (block_q * (head_dim + head_dim_v) + block_kv * (head_dim + head_dim_v))
+    blocks += 2 * MASK_BYTES * block_q * block_kv if stored_mask else 0
     scratch = 4 * block_q * (2 * LANES + head_dim_v) + 2 * 4 * 8 * block_q
     logits = 3 * 4 * block_q * block_kv_compute
     return int(min(64 << 20, max(16 << 20, 2 * (blocks + scratch + logits))))
@@ -311,6 +363,7 @@ def forward(
     soft_cap: float | None = None,
     segment_ids=None,
     sinks=None,
+    stored_mask=None,
     vmem_limit: int | None = None,
     straight_patterns: bool = True,
     interpret: bool = False,
@@ -320,18 +373,24 @@ def forward(
     `active_grid` (one list shared by every head, or one per head), segment_ids (q_ids (Lq,),
     kv_ids (Lkv,)) int32, sinks (Hq,) float32 in base 2. `mask` (a structured mask of
     `structured_masks`) is evaluated on partial blocks only, with keys at or past kv_len hidden;
-    soft_cap in base 2 (the natural cap times LOG2E). straight_patterns: partial blocks run their
+    soft_cap in base 2 (the natural cap times LOG2E). stored_mask: (block_index (G, N) of
+    `block_index`, blocks (M, block_q, block_kv) bool) for a mask read from stored blocks instead
+    (`mask` None; the grid's tile kinds from `stored_tiles`). straight_patterns: partial blocks run their
     tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always).
     Returns out (Hq, Lq, Dv) in q's dtype and the
     logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
     num_heads, q_len, head_dim = q.shape
     kv_heads, _, head_dim_v = v.shape
     group = num_heads // kv_heads
+    if stored_mask is not None:  # a stored block is read tile by tile: one tile at least
+        block_q_sub = block_q_sub or block_q
     tiles = (block_q // block_q_sub) * (block_kv // block_kv_compute) if block_q_sub else 0
     if tiles > MAX_TILES:
         raise ValueError(f"{block_q}x{block_kv} blocks in {block_q_sub}x{block_kv_compute} tiles: at most {MAX_TILES}")
     if vmem_limit is None:
-        vmem_limit = vmem_bytes(block_q, block_kv, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize)
+        vmem_limit = vmem_bytes(
+            block_q, block_kv, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize, stored_mask is not None
+        )
     q_block, kv_block, flags, sub_kinds = grid
     per_head_lists = q_block.shape[0] > 1
     width = q_block.shape[1]
@@ -339,19 +398,21 @@ def forward(
     if segment_ids is not None:
         flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
     tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
+    if stored_mask is not None:
+        tables.append(jnp.asarray(stored_mask[0]).reshape(-1))
 
     def entry(h, n):
         return (h * width if per_head_lists else 0) + n
 
-    def q_map(h, n, qb, kb, fl, sk):
+    def q_map(h, n, qb, kb, *_):
         return h, qb[entry(h, n)], 0
 
-    def kv_map(h, n, qb, kb, fl, sk):
+    def kv_map(h, n, qb, kb, *_):
         # not `//`: its floor-division lowering asks for the TPU's generation, which an export
         # without a TPU does not have (jax 0.12); heads are >= 0, so truncation is the same
         return lax.div(h, np.int32(group)), kb[entry(h, n)], 0
 
-    def lse_map(h, n, qb, kb, fl, sk):
+    def lse_map(h, n, qb, kb, *_):
         return h, 0, qb[entry(h, n)]
 
     in_specs, inputs = [], []
@@ -367,14 +428,21 @@ def forward(
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
 
-        def q_ids_map(h, n, qb, kb, fl, sk):
+        def q_ids_map(h, n, qb, kb, *_):
             return qb[entry(h, n)], 0
 
-        def kv_ids_map(h, n, qb, kb, fl, sk):
+        def kv_ids_map(h, n, qb, kb, *_):
             return 0, kb[entry(h, n)]
 
         in_specs += [pl.BlockSpec((block_q, 1), q_ids_map), pl.BlockSpec((1, block_kv), kv_ids_map)]
         inputs += [q_ids.reshape(-1, 1), kv_ids.reshape(1, -1)]
+    if stored_mask is not None:
+
+        def mask_map(h, n, qb, kb, fl, sk, index):
+            return index[entry(h, n)], 0, 0
+
+        in_specs.append(pl.BlockSpec((None, block_q, block_kv), mask_map))
+        inputs.append(jnp.asarray(stored_mask[1]))
     body = functools.partial(
         _forward_kernel,
         mask=mask,
@@ -391,7 +459,7 @@ def forward(
         patterns=patterns,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=len(tables),
         grid=(num_heads, width),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, block_q, head_dim_v), q_map), pl.BlockSpec((None, 1, block_q), lse_map)],
@@ -445,16 +513,23 @@ def _backward_kernel(
     steps: int,
     q_len: int,
     patterns: tuple[int, ...],
+    per_head_lists: bool,
 ):
+    if mask is None:  # read from stored blocks: the fifth table names each entry's
+        block_index_ref, *refs = refs
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    mask_ref = refs.pop(0) if mask is None else None
     _, dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_slots, sems, state = refs
     h, n = pl.program_id(0), pl.program_id(1)
 
     def entry(m):
-        """Step m's entry of the list and its query head."""
+        """Step m's entry of the tables and its query head (with a list per query head, the
+        grid's first axis is the query head and `group` 1)."""
+        if per_head_lists:
+            return h * steps + m, h
         e = lax.div(m, np.int32(group))
         return e, h * group + (m - e * group)
 
@@ -512,20 +587,25 @@ def _backward_kernel(
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def allowed(row0: int, c: int):
-        """Which logits, keys chunk c (rows) by block_q_sub queries from row0 (lanes), are allowed."""
-        row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
-        keys = kv_block_ref[e] * block_kv + c * block_kv_compute
-        keys = keys + lax.broadcasted_iota(jnp.int32, (block_kv_compute, 1), 0)
-        ok = mask.allows(row_ids, keys)
-        real = keys < kv_len
-        ok = real if ok is None else ok & real
+    def allowed(row0: int, c: int, tile_kind: int):
+        """Which logits, keys chunk c (rows) by block_q_sub queries from row0 (lanes), are allowed
+        (a stored mask read on partial tiles only, as in the forward)."""
+        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+        if mask is None:
+            ok = mask_ref[cols, row0 : row0 + block_q_sub] if tile_kind == PARTIAL else None
+        else:
+            row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
+            keys = kv_block_ref[e] * block_kv + c * block_kv_compute
+            keys = keys + lax.broadcasted_iota(jnp.int32, (block_kv_compute, 1), 0)
+            ok = mask.allows(row_ids, keys)
+            real = keys < kv_len
+            ok = real if ok is None else ok & real
         if has_segment_ids:
-            cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
-            ok = ok & (q_ids_ref[:, row0 : row0 + block_q_sub] == kv_ids_ref[cols, :])
+            same = q_ids_ref[:, row0 : row0 + block_q_sub] == kv_ids_ref[cols, :]
+            ok = same if ok is None else ok & same
         return ok
 
-    def tile(r: int, c: int, masked: bool, dk, dv):
+    def tile(r: int, c: int, tile_kind: int, masked: bool, dk, dv):
         """Tile (query rows r, keys chunk c): its dq share added into the slot, dk and dv's returned
         (values in, values out) so that a chunk's sums stay out of VMEM between tiles."""
         rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
@@ -537,7 +617,7 @@ def _backward_kernel(
             capped = jnp.tanh(s / soft_cap)
             s = soft_cap * capped
         if masked:
-            s = jnp.where(allowed(r * block_q_sub, c), s, MASKED)
+            s = jnp.where(allowed(r * block_q_sub, c, tile_kind), s, MASKED)
         p = jnp.exp2(s - lse_ref[:, rows])
         dv = dv + lax.dot_general(p.astype(do.dtype), do, NN, preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
@@ -563,7 +643,7 @@ def _backward_kernel(
             dk, dv = dk_acc[cols, :], dv_acc[cols, :]
             for r, tile_kind in enumerate(column):
                 if tile_kind != SKIP:
-                    dk, dv = tile(r, c, tile_kind == PARTIAL or masked_full, dk, dv)
+                    dk, dv = tile(r, c, tile_kind, tile_kind == PARTIAL or masked_full, dk, dv)
             dk_acc[cols, :], dv_acc[cols, :] = dk, dv
 
     def tiled():
@@ -573,11 +653,14 @@ def _backward_kernel(
             for r in range(row_tiles):
                 tile_kind = (tiles >> (2 * (c * row_tiles + r))) & KIND
 
-                def run(masked, r=r, c=c, cols=cols):
-                    dk_acc[cols, :], dv_acc[cols, :] = tile(r, c, masked, dk_acc[cols, :], dv_acc[cols, :])
+                def run(kind_of_tile, r=r, c=c, cols=cols):
+                    masked = kind_of_tile == PARTIAL or has_segment_ids
+                    dk_acc[cols, :], dv_acc[cols, :] = tile(
+                        r, c, kind_of_tile, masked, dk_acc[cols, :], dv_acc[cols, :]
+                    )
 
-                pl.when(tile_kind == FULL)(functools.partial(run, has_segment_ids))
-                pl.when(tile_kind == PARTIAL)(functools.partial(run, True))
+                pl.when(tile_kind == FULL)(functools.partial(run, FULL))
+                pl.when(tile_kind == PARTIAL)(functools.partial(run, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * row_tiles] * chunks, has_segment_ids))
     run = functools.partial(straight, masked_full=has_segment_ids)
@@ -639,6 +722,7 @@ def backward(
     block_q_sub: int | None = None,
     soft_cap: float | None = None,
     segment_ids=None,
+    stored_mask=None,
     dq=None,
     vmem_limit: int | None = None,
     straight_patterns: bool = True,
@@ -648,9 +732,11 @@ def backward(
     block after kv block: q (Hq, Lq, D), k (Hkv, Lkv, D) scaled by the softmax scale times LOG2E
     as `forward` takes it, v (Hkv, Lkv, Dv), d_out (Hq, Lq, Dv) in q's dtype, lse (Hq, Lq) natural
     log (+inf on rows that see no key: they get no gradient), di (Hq, Lq) float32, the rows' sums
-    of out * d_out; `grid` the tables of `column_grid` (one list every head shares). dq: float32
-    (Hq, Lq, D) to add into (zeros if None; the buffer is donated to the result). straight_patterns
-    as in `forward`.
+    of out * d_out; `grid` the tables of `column_grid`: one list every head shares, or one per
+    query head (then each query head walks its own list and its dk, dv are summed over the heads
+    of its group afterwards). stored_mask: as in `forward`, with blocks (M, block_kv, block_q),
+    transposed. dq: float32 (Hq, Lq, D) to add into (zeros if None; the buffer is donated to the
+    result). straight_patterns as in `forward`.
 
     Returns dq (Hq, Lq, D) float32, the gradient of q; dk (Hkv, Lkv, D), the gradient of k times
     the softmax scale (the logits' k), and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA
@@ -665,30 +751,41 @@ def backward(
     if vmem_limit is None:
         vmem_limit = backward_vmem_bytes(
             block_q, block_kv, block_q_sub, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize
-        )
+        ) + (2 * MASK_BYTES * block_q * block_kv if stored_mask is not None else 0)
     q_block, kv_block, flags, sub_kinds = grid
-    if q_block.shape[0] != 1:
-        raise ValueError("the active backward takes one list every head shares")
+    per_head_lists = q_block.shape[0] > 1
+    if per_head_lists and q_block.shape[0] != num_heads:
+        raise ValueError(f"{q_block.shape[0]} lists for {num_heads} query heads")
     width = q_block.shape[1]
     patterns = tile_patterns(grid, segment_ids is not None, tiles) if straight_patterns else ()
     if segment_ids is not None:
         flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
     tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
-    steps = width * group
+    if stored_mask is not None:
+        tables.append(jnp.asarray(stored_mask[0]).reshape(-1))
+    # a list per query head: the grid walks query heads, each its own list, and a kv head's
+    # gradients are summed over its query heads afterwards
+    group_steps = 1 if per_head_lists else group
+    steps = width * group_steps
 
     def entry(h, n):
+        if per_head_lists:
+            return h * width + n, h
         e = lax.div(n, np.int32(group))
         return e, h * group + (n - e * group)
 
-    def q_map(h, n, qb, kb, fl, sk):
+    def q_map(h, n, qb, kb, *_):
         e, qh = entry(h, n)
         return qh, qb[e], 0
 
-    def row_map(h, n, qb, kb, fl, sk):
+    def row_map(h, n, qb, kb, *_):
         e, qh = entry(h, n)
         return qh, 0, qb[e]
 
-    def kv_map(h, n, qb, kb, fl, sk):
+    def kv_map(h, n, qb, kb, *_):
+        return lax.div(h, np.int32(group)) if per_head_lists else h, kb[entry(h, n)[0]], 0
+
+    def kv_out_map(h, n, qb, kb, *_):  # a query head's own, with a list per query head
         return h, kb[entry(h, n)[0]], 0
 
     in_specs = [
@@ -704,14 +801,21 @@ def backward(
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
 
-        def q_ids_map(h, n, qb, kb, fl, sk):
+        def q_ids_map(h, n, qb, kb, *_):
             return 0, qb[entry(h, n)[0]]
 
-        def kv_ids_map(h, n, qb, kb, fl, sk):
+        def kv_ids_map(h, n, qb, kb, *_):
             return kb[entry(h, n)[0]], 0
 
         in_specs += [pl.BlockSpec((1, block_q), q_ids_map), pl.BlockSpec((block_kv, 1), kv_ids_map)]
         inputs += [q_ids.reshape(1, -1), kv_ids.reshape(-1, 1)]
+    if stored_mask is not None:
+
+        def mask_map(h, n, qb, kb, fl, sk, index):
+            return index[entry(h, n)[0]], 0, 0
+
+        in_specs.append(pl.BlockSpec((None, block_kv, block_q), mask_map))
+        inputs.append(jnp.asarray(stored_mask[1]))
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     # dq as rows (heads x q_len, D rounded up to the lanes): Mosaic copies only lane-aligned slices
     # between HBM and VMEM, and only 2-D ones whose minor dim is under 128 lanes
@@ -729,18 +833,22 @@ def backward(
         block_q_sub=block_q_sub,
         soft_cap=soft_cap,
         has_segment_ids=segment_ids is not None,
-        group=group,
+        group=group_steps,
         steps=steps,
         q_len=q_len,
         patterns=patterns,
+        per_head_lists=per_head_lists,
     )
+    out_heads = num_heads if per_head_lists else kv_heads
+    # summed over a group afterwards: in float32, as the kernel sums within a list
+    kv_dtype = jnp.float32 if per_head_lists and group > 1 else k.dtype
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
-        grid=(kv_heads, steps),
+        num_scalar_prefetch=len(tables),
+        grid=(out_heads, steps),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, block_kv, head_dim), kv_map),
-            pl.BlockSpec((None, block_kv, head_dim_v), kv_map),
+            pl.BlockSpec((None, block_kv, head_dim), kv_out_map),
+            pl.BlockSpec((None, block_kv, head_dim_v), kv_out_map),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         scratch_shapes=[
@@ -755,8 +863,8 @@ def backward(
         body,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((out_heads,) + k.shape[1:], kv_dtype),
+            jax.ShapeDtypeStruct((out_heads,) + v.shape[1:], kv_dtype),
             jax.ShapeDtypeStruct((num_heads * q_len, dq_width), jnp.float32),
         ],
         input_output_aliases={len(tables) + len(inputs) - 1: 2},
@@ -766,4 +874,6 @@ def backward(
         interpret=interpret,
         name="active_backward",
     )(*tables, *inputs)
+    if out_heads != kv_heads:
+        dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(axis=1).astype(k.dtype) for g in (dk, dv))
     return dq.reshape(num_heads, q_len, dq_width)[..., :head_dim] * LN2, dk, dv

@@ -349,6 +349,11 @@ def _planned(
 # half the rate).
 ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIVE_TILE_ROWS = 2048, 2048, 1024, 512, 512
 ACTIVE_BACKWARD_BLOCK_Q = 1024
+# With a mask read from stored blocks, a partial entry also reads its block of the mask, which TPU
+# memory holds as int32 (`active_kernels.MASK_BYTES`): 16 MiB at 2048 x 2048, twice for the
+# pipeline; FlexAttention's packed documents at 8K tokens held 268 MB of distinct blocks in HBM.
+# Blocks of at most 1024 x 1024 hold 4 MiB and repeat more often.
+ACTIVE_STORED_BLOCK = 1024
 
 
 def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
@@ -358,13 +363,18 @@ def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     return None
 
 
-def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int, row_multiple: int = SUBLANES) -> dict:
+def active_forward_blocks(
+    q_len_padded: int, kv_len_padded: int, head_dim: int, row_multiple: int = SUBLANES, stored: bool = False
+) -> dict:
     """The active-block forward's blocks for padded lengths (q a multiple of 8, kv of 128): block_q,
     block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles, a multiple of
     row_multiple or the whole block; None where the block is too short to split), each dividing the
-    one above it, at most 16 tiles a block."""
-    block_q = _largest_divisor(q_len_padded, ACTIVE_BLOCK_Q, LANES) or q_len_padded
+    one above it, at most 16 tiles a block. stored: for a mask read from stored blocks (at most
+    ACTIVE_STORED_BLOCK a side)."""
+    most = ACTIVE_STORED_BLOCK if stored else ACTIVE_BLOCK_Q
+    block_q = _largest_divisor(q_len_padded, most, LANES) or q_len_padded
     wide = ACTIVE_BLOCK_KV_WIDE_HEADS if head_dim > LANES else ACTIVE_BLOCK_KV
+    wide = min(wide, most)
     block_kv = _largest_divisor(kv_len_padded, wide, LANES)
     chunk = _largest_divisor(block_kv, ACTIVE_CHUNK, LANES)
     chunks = block_kv // chunk
@@ -375,11 +385,15 @@ def active_forward_blocks(q_len_padded: int, kv_len_padded: int, head_dim: int, 
 
 
 def active_backward_blocks(
-    q_len_padded: int, kv_len_padded: int, head_dim: int, most_rows: int = ACTIVE_BACKWARD_BLOCK_Q
+    q_len_padded: int,
+    kv_len_padded: int,
+    head_dim: int,
+    most_rows: int = ACTIVE_BACKWARD_BLOCK_Q,
+    stored: bool = False,
 ) -> dict:
     """The active-block backward's blocks: the forward's with q blocks of at most `most_rows` rows
     (1024: 2048 took 1.66x as long on the chip, and is for lists of 1024-row blocks too long for
     SMEM) and tile rows a multiple of 128 (the backward holds a tile's logits transposed, its query
-    rows along the lanes)."""
+    rows along the lanes); stored as in `active_forward_blocks`."""
     block_q = _largest_divisor(q_len_padded, most_rows, LANES) or q_len_padded
-    return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES)
+    return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES, stored)

@@ -32,8 +32,9 @@ class BlockSizes(Immutable):
         q_layout, k_layout, v_layout: "HEAD_DIM_MINOR" or "SEQ_MINOR".
         forward_kernel: "splash" (JAX's kernel, the default) or "active" (the project's own, over
             each head's active blocks only, `torch_splash_jax.active_kernels`; its blocks are its
-            own, planned from the padded lengths). "active" serves one structured mask shared by
-            every head, unsharded; other calls are refused.
+            own, planned from the padded lengths). "active" serves unsharded calls with any
+            mask (masks that are data, and one mask per head, read from stored blocks); sharded
+            and ring calls are refused.
         backward_kernel: the same choice for the backward (JAX's dq and dkv kernels, or the
             project's one kernel whose dq, dk and dv accumulate in place); None follows
             forward_kernel. Either backward takes either forward's output and logsumexp.

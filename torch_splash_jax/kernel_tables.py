@@ -40,8 +40,11 @@ class KernelTables:
         # functions, so neither JAX nor torch_xla compiles again.
         self.stored = not self.sharded and _masks.shared_structured_mask(plan.mask) is None
         self.takes_tables = self.sharded or self.stored
-        self._infos = _table_infos(plan, rounded=self.stored) if self.takes_tables else None
-        self._table_arrays = self._flat_tables() if self.takes_tables else []
+        # JAX's tables only where one of its kernels runs (the active-block kernels, which serve
+        # unsharded calls only, add their own: `splash_program.Program`)
+        jax_kernels = "splash" in (plan.forward_kernel, plan.backward_kernel)
+        self._infos = _table_infos(plan, rounded=self.stored) if self.takes_tables and jax_kernels else None
+        self._table_arrays = self._flat_tables() if self._infos is not None else []
         # A sharded plan's stored partial blocks are the same on every device: constants, made
         # outside any trace.
         self._partial_blocks = [
@@ -50,7 +53,7 @@ class KernelTables:
         ]
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not (self._infos[1][0].block_mask.any() if self.takes_tables else _has_allowed_pair(plan))
+        self.no_pairs = not (self._infos[1][0].block_mask.any() if self._infos is not None else _has_allowed_pair(plan))
         self._kernel = None if self.no_pairs or self.takes_tables else _build_kernel(plan)
 
     @property
@@ -58,7 +61,8 @@ class KernelTables:
         """The splash kernel with this plan's block tables as constants (what the TPU time
         estimate reads); None for a sharded plan, and without allowed pairs."""
         if self._kernel is None and self.stored and not self.no_pairs:
-            self._kernel = _kernel(self.plan, [None if i is None else _only_shard(i) for i in self._infos[1]], None)
+            infos = (self._infos or _table_infos(self.plan, rounded=True))[1]
+            self._kernel = _kernel(self.plan, [None if i is None else _only_shard(i) for i in infos], None)
         return self._kernel
 
     def tables(self) -> list[np.ndarray]:

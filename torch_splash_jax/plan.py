@@ -220,20 +220,13 @@ def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
 
 
 def _check_active(forward: str, backward: str, mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
-    """The calls the active-block kernels serve: one structured mask every head shares, on one device."""
+    """The calls the active-block kernels serve: unsharded ones (any mask: structured masks are
+    evaluated in the kernel, data and per-head masks read from stored blocks)."""
     option = "forward_kernel" if forward == "active" else "backward_kernel" if backward == "active" else None
-    why = None
-    if option is None:
-        return
-    if shared_structured_mask(mask) is None:
-        why = f"the mask {mask!r} is not one structured mask shared by every head"
-    elif q_shards > 1 or head_shards > 1 or context_parallel == "ring":
-        why = "the call is sharded over devices"
-    if why:
+    if option is not None and (q_shards > 1 or head_shards > 1 or context_parallel == "ring"):
         raise SplashConstraintError(
-            f"block_sizes.{option}='active': {why}; the active-block kernels serve unsharded calls "
-            "whose heads share one structured mask (causal, full, local, chunked, prefix and their "
-            f"compositions). Use {option}='splash' (or None) for this call."
+            f"block_sizes.{option}='active': the call is sharded over devices; the active-block kernels "
+            f"serve unsharded calls. Use {option}='splash' (or None) for this call."
         )
 
 

@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import active_kernels, compat, policy
 from . import tables as _tables
@@ -38,7 +39,7 @@ from .block_planning import ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q, active_back
 from .errors import SplashConstraintError
 from .kernel_limits import ACTIVE_TABLE_ENTRIES, compute_dtype
 from .kernel_tables import KernelTables
-from .masks import shared_structured_mask
+from .masks import MultiHeadMask, shared_structured_mask
 from .plan import Plan
 
 _splash = compat.splash_modules()[0]
@@ -94,6 +95,10 @@ class Program(KernelTables):
         # The active-block kernels (active_kernels), where the plan asks for them; None where JAX's run.
         self.active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
         self.active_backward = _ActiveBackward(plan) if plan.backward_kernel == "active" and not self.no_pairs else None
+        for active in (self.active, self.active_backward):  # a stored mask's tables: inputs, after JAX's
+            if active is not None and active.stored is not None:
+                active.tables = slice(len(self._table_arrays), len(self._table_arrays) + len(active.stored))
+                self._table_arrays = self._table_arrays + active.stored
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
@@ -207,7 +212,7 @@ class Program(KernelTables):
         """The kernels' output and logsumexp, (B, Hq, Lq padded[, Dv])."""
         if self.active is not None:
             per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks, self.plan.scale * active_kernels.LOG2E)
-            out, lse = self._each_call(functools.partial(self.active, sinks), per_call)
+            out, lse = self._each_call(functools.partial(self.active, sinks, tables), per_call)
             return self._per_batch(out, q.shape[0]), self._per_batch(lse, q.shape[0])
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
         kernel, table_arrays = self._kernel_for(tables)
@@ -286,7 +291,7 @@ class Program(KernelTables):
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return zeros if sinks is None else (*zeros, jnp.zeros_like(sinks))
         if self.active_backward is not None:
-            return self._active_gradients(q, k, v, ids, sinks, out, lse, d_out)
+            return self._active_gradients(q, k, v, ids, sinks, tables, out, lse, d_out)
         sources, tree = self._residual_layout(arrays[: len(self.signature("forward"))])
         per_call, call_sinks = self._kernel_inputs(q, k, v, ids, sinks)
         table_arrays = self._kernel_for(tables)[1]
@@ -326,7 +331,7 @@ class Program(KernelTables):
         d_sinks = [d.reshape(-1, sinks.shape[0]).sum(axis=0) for d in d_sinks]  # every call's heads' share
         return (dq, dk, dv, *d_sinks)
 
-    def _active_gradients(self, q, k, v, ids, sinks, out, lse, d_out):
+    def _active_gradients(self, q, k, v, ids, sinks, tables, out, lse, d_out):
         """backward_body through the active-block backward: one kernel call per `_each_call` call,
         its dq added into a float32 buffer in place; the sinks' gradients from the logsumexp."""
         p = self.plan
@@ -338,7 +343,7 @@ class Program(KernelTables):
         di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
         calls = per_call[0].shape[0]
         rows = [self._per_call(x, calls) for x in (d_out, lse, di)]
-        dq, dk, dv = self._each_call(self.active_backward, (*per_call, *rows))
+        dq, dk, dv = self._each_call(functools.partial(self.active_backward, tables), (*per_call, *rows))
         batch = q.shape[0]
         dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
         dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
@@ -352,19 +357,59 @@ class Program(KernelTables):
 
 
 class _ActiveForward:
-    """The active-block forward (`active_kernels`) of a plan: its blocks, its block list (constants
-    of the program, made on the host) and one kernel call on a call's q, k, v and segment ids."""
+    """The active-block forward (`active_kernels`) of a plan: its blocks, its block list and one
+    kernel call on a call's q, k, v and segment ids. A structured mask every head shares is
+    evaluated in the kernel, its list a constant of the program (made on the host); a mask read
+    from stored blocks (data, one mask per head) has its list and blocks as program inputs in
+    rounded shapes (`stored`, which `Program` appends to its tables), so that masks with other
+    contents run the same compiled program."""
+
+    backward = False
 
     def __init__(self, plan: Plan):
         self.plan = plan
         self.mask = shared_structured_mask(plan.mask)
-        self.blocks = active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, max(plan.head_dim, plan.head_dim_v))
-        b = self.blocks
-        tile_kinds = _kinds(self.mask, plan, b["block_q_sub"], b["block_kv_compute"]) if b["block_q_sub"] else None
-        self.grid = active_kernels.active_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
-        _check_entries(self.grid, b, plan, "forward_kernel")
+        head_dim = max(plan.head_dim, plan.head_dim_v)
+        stored = self.mask is None
+        self._plan_list(active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, stored=stored))
+        _check_entries(self.grid, self.blocks, plan, "forward_kernel", self.stored is not None)
 
-    def __call__(self, sinks, q, k, v, segment_ids):
+    def _plan_list(self, b: dict) -> None:
+        """The blocks b's list: `grid` (the tables, numpy) and, for a stored mask, `stored` (the
+        tables, the block index and the blocks, rounded) with `tables` its slice of the program's."""
+        self.blocks, self.stored, self.tables = b, None, None
+        walk = active_kernels.column_grid if self.backward else active_kernels.active_grid
+        rows, chunk = b["block_q_sub"] or b["block_q"], b["block_kv_compute"]
+        if self.mask is not None:
+            tile_kinds = _kinds(self.mask, self.plan, rows, chunk) if b["block_q_sub"] or self.backward else None
+            self.grid = walk(_kinds(self.mask, self.plan, b["block_q"], b["block_kv"]), tile_kinds)
+            return
+        p = self.plan
+        heads = p.mask.masks if isinstance(p.mask, MultiHeadMask) else (p.mask,)
+        kinds, ids, blocks = _tables.stored_blocks(
+            heads, p.q_len, p.q_len_padded, p.kv_len_padded, p.kv_len, b["block_q"], b["block_kv"]
+        )
+        self.grid = walk(kinds, active_kernels.stored_tiles(kinds, ids, blocks, rows, chunk))
+        index = active_kernels.block_index(self.grid, ids)
+        # rounded like JAX's stored tables (`tables.partial_mask_info`): padding entries repeat
+        # their list's last block and do nothing, padding blocks are never named
+        width = _tables.bucket(self.grid[0].shape[1])
+        padded = [np.pad(t, ((0, 0), (0, width - t.shape[1])), mode="edge") for t in (*self.grid, index)]
+        padded[2][:, self.grid[0].shape[1] :] = 0  # flags
+        count = _tables.bucket(max(len(blocks), _tables.MIN_PARTIAL_BLOCKS))
+        blocks = np.pad(blocks, ((0, count - len(blocks)), (0, 0), (0, 0)))
+        self.stored = [*padded, blocks.transpose(0, 2, 1) if self.backward else blocks]
+
+    def _mask_arguments(self, tables) -> dict:
+        """The kernel's grid and mask: a constant list and the shared mask, or the program's inputs."""
+        if self.stored is None:
+            return dict(grid=self.grid, mask=self.mask)
+        q_block, kv_block, flags, sub, index, blocks = tables[self.tables]
+        return dict(
+            grid=(q_block, kv_block, flags, sub), mask=None, stored_mask=(index, blocks), straight_patterns=False
+        )
+
+    def __call__(self, sinks, tables, q, k, v, segment_ids):
         """(out (Hq, Lq, Dv), logsumexp (Hq, Lq)) of one kernel call; k scaled by scale x LOG2E."""
         p = self.plan
         if k.ndim == 2:  # the MQA layout `_kernel_inputs` gives
@@ -373,8 +418,7 @@ class _ActiveForward:
             q,
             k,
             v,
-            self.grid,
-            mask=self.mask,
+            **self._mask_arguments(tables),
             kv_len=p.kv_len,
             **self.blocks,
             soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
@@ -391,9 +435,12 @@ _SHARED = policy.Recent(policy.STORED_SHAPES)
 forget_shared_programs = _SHARED.clear
 
 
-class _ActiveBackward:
+class _ActiveBackward(_ActiveForward):
     """The active-block backward (`active_kernels.backward`) of a plan: its blocks, its block list
-    walked kv block after kv block, and one kernel call's gradients."""
+    walked kv block after kv block (a stored mask's as `_ActiveForward`'s, its blocks transposed),
+    and one kernel call's gradients."""
+
+    backward = True
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -401,16 +448,14 @@ class _ActiveBackward:
         # 1024-row q blocks; 2048 where their list outgrows SMEM (causal past 452,608 tokens): slower
         # on the chip, but served as far as the forward's list
         head_dim = max(plan.head_dim, plan.head_dim_v)
+        stored = self.mask is None
         for most_rows in (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
-            b = active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows)
-            tile_kinds = _kinds(self.mask, plan, b["block_q_sub"] or b["block_q"], b["block_kv_compute"])
-            self.grid = active_kernels.column_grid(_kinds(self.mask, plan, b["block_q"], b["block_kv"]), tile_kinds)
-            if self.grid[0].size <= ACTIVE_TABLE_ENTRIES:
+            self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
+            if self.grid[0].size <= _table_entries(self.stored is not None):
                 break
-        self.blocks = b
-        _check_entries(self.grid, b, plan, "backward_kernel")
+        _check_entries(self.grid, self.blocks, plan, "backward_kernel", self.stored is not None)
 
-    def __call__(self, q, k, v, segment_ids, d_out, lse, di):
+    def __call__(self, tables, q, k, v, segment_ids, d_out, lse, di):
         """(dq, dk, dv) of one kernel call: dq float32, dk of the logits' keys (k times the scale)."""
         p = self.plan
         mqa = k.ndim == 2  # the MQA layout `_kernel_inputs` gives
@@ -423,8 +468,7 @@ class _ActiveBackward:
             d_out,
             lse,
             di,
-            self.grid,
-            mask=self.mask,
+            **self._mask_arguments(tables),
             kv_len=p.kv_len,
             **self.blocks,
             soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
@@ -440,12 +484,18 @@ def _kinds(mask, plan: Plan, block_q: int, block_kv: int):
     return _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, block_q, block_kv)[None]
 
 
-def _check_entries(grid, blocks: dict, plan: Plan, option: str) -> None:
+def _table_entries(stored: bool) -> int:
+    """The most entries an active-block list may have: its tables fill SMEM (a fifth table, each
+    entry's stored block, with a stored mask)."""
+    return ACTIVE_TABLE_ENTRIES * 4 // 5 if stored else ACTIVE_TABLE_ENTRIES
+
+
+def _check_entries(grid, blocks: dict, plan: Plan, option: str, stored: bool = False) -> None:
     """Refuse an active-block list longer than a TPU's SMEM holds, naming the option to change."""
-    entries = grid[0].size
-    if entries > ACTIVE_TABLE_ENTRIES:
+    entries, most = grid[0].size, _table_entries(stored)
+    if entries > most:
         raise SplashConstraintError(
             f"block_sizes.{option}='active': {entries} active blocks of {blocks['block_q']} x "
             f"{blocks['block_kv']} at {plan.q_len_padded} x {plan.kv_len_padded} tokens overrun the "
-            f"{ACTIVE_TABLE_ENTRIES} a TPU's SMEM holds; use {option}='splash' for this call."
+            f"{most} a TPU's SMEM holds; use {option}='splash' for this call."
         )

@@ -241,6 +241,42 @@ def _head_blocks(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_
     return kinds, partial
 
 
+def _kinds_and_ids(spec: Mask, rows, cols, q_len: int, kv_len: int, dense: dict, found: dict, blocks: list):
+    """`_head_blocks`' kinds and, per partial block, the index of its contents in `blocks` (the
+    distinct partial blocks so far, `found` their keys), which it extends."""
+    kinds, partial = _head_blocks(spec, rows, cols, q_len, kv_len, dense)
+    ids = np.zeros_like(kinds)
+    for q, c, block in partial:
+        key = np.packbits(block).tobytes()
+        if key not in found:
+            found[key] = len(blocks)
+            blocks.append(block)
+        ids[q, c] = found[key]
+    return kinds, ids
+
+
+def stored_blocks(
+    heads: tuple, q_len: int, q_len_padded: int, kv_len_padded: int, kv_len: int, block_q: int, block_kv: int
+):
+    """A mask read from stored blocks (data, or one mask per head) as the active-block kernels take
+    it: kinds (G, nq, nkv) int32 (0 empty, 1 partial, 2 full; G 1 where every head has the same
+    mask, else one per head), ids (G, nq, nkv) int32, the index in `blocks` of each partial block,
+    and blocks (N, block_q, block_kv) bool, the distinct partial blocks. Padding rows (at or past
+    q_len) and keys (at or past kv_len) are hidden."""
+    unique = list(dict.fromkeys(heads))
+    rows = np.arange(q_len_padded, dtype=np.int32)
+    rows = np.where(rows < q_len, rows, -1).reshape(-1, block_q)
+    cols = np.arange(kv_len_padded, dtype=np.int32).reshape(-1, block_kv)
+    found: dict[bytes, int] = {}
+    blocks, dense = [], {}
+    each = [_kinds_and_ids(spec, rows, cols, q_len, kv_len, dense, found, blocks) for spec in unique]
+    order = [unique.index(h) for h in heads] if len(unique) > 1 else [0]
+    kinds = np.stack([each[u][0] for u in order]).astype(np.int32)
+    ids = np.stack([each[u][1] for u in order]).astype(np.int32)
+    stored = np.stack(blocks) if blocks else np.zeros((0, block_q, block_kv), bool)
+    return kinds, ids, stored
+
+
 def _hull(positions: np.ndarray, real: np.ndarray):
     """Per block (a row of `positions`): the lowest and highest real position, and whether it has
     any (blocks without one get 0, 0)."""
@@ -295,13 +331,7 @@ def partial_mask_info(
     blocks, dense = [], {}
     for u, spec in enumerate(unique):
         for s in range(shards):
-            kinds[s, u], partial = _head_blocks(spec, rows[s], cols[s], q_len, kv_len, dense)
-            for q, c, block in partial:
-                key = np.packbits(block).tobytes()
-                if key not in found:
-                    found[key] = len(blocks)
-                    blocks.append(block)
-                ids[s, u, q, c] = found[key]
+            kinds[s, u], ids[s, u] = _kinds_and_ids(spec, rows[s], cols[s], q_len, kv_len, dense, found, blocks)
     if len(unique) > 1:  # one table per head
         index = [unique.index(h) for h in heads]
         kinds, ids = kinds[:, index], ids[:, index]

@@ -13,7 +13,8 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One attention call: shapes, dtype, mask (a constructor expression over torch_splash_jax's
-    masks, or "dense" / "per-head" for a stored or per-head mask built from a seed) and options."""
+    masks, or "dense" / "per-head" for a stored or per-head mask built from a seed, "causal-tensor" for
+    causal as a bool array) and options."""
 
     name: str
     batch: int
@@ -44,6 +45,8 @@ class Call:
         if self.mask == "dense":  # a stored mask: random blocks, as a data mask's tables hold them
             rng = np.random.default_rng(0)
             return masks.DenseMask(rng.random((self.q_len, self.kv_len)) > 0.3)
+        if self.mask == "causal-tensor":  # causal as a bool tensor (as HF hands a 4-D mask over): stored blocks
+            return masks.DenseMask(np.tri(self.q_len, self.kv_len, dtype=bool))
         if self.mask == "per-head":
             choices = [masks.CausalMask(0), masks.LocalMask(128), masks.FullMask(), masks.CausalMask(5)]
             return masks.MultiHeadMask(tuple(choices[h % len(choices)] for h in range(self.q_heads)))
@@ -151,6 +154,7 @@ TRAINING = (
     _c("B=8 causal 2K 32/8 D128", 8, 32, 8, 2048, 2048),
     _c("B=8 causal 4K 32/8 D128", 8, 32, 8, 4096, 4096),
     _c("B=8 documents 2K 32/8 D128", 8, 32, 8, 2048, 2048, segment_ids=True),
+    _c("causal 16K 16/16 D128, a bool tensor", 1, 16, 16, 16384, 16384, mask="causal-tensor"),
 )
 # Decode rows: one token against a whole cache, and against caches of ragged lengths (each
 # sequence's as segment ids, as HF generation hands them over); chunked prefill against a 32K

@@ -286,6 +286,11 @@ def splash_works(program) -> dict[str, Work]:
         raise SplashConstraintError(
             "kernel estimates cover unsharded programs with a kernel (no sequence or head sharding)"
         )
+    if any(a is not None and a.stored is not None for a in (program.active, program.active_backward)):
+        raise SplashConstraintError(
+            "kernel estimates cover the active-block kernels where they evaluate the mask: the reads of "
+            "a stored mask's blocks and one list per head are not modelled"
+        )
     blocks = p.block_sizes()
     fused = bool(blocks.get("use_fused_bwd_kernel"))
     infos = compat.kernel_mask_infos(program.kernel)
