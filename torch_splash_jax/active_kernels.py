@@ -68,6 +68,11 @@ def _online_softmax(s, v, m, total, acc_ref, rows):
     return m_next, l_next
 
 
+def _as_bool(block):
+    """A stored mask's block as bool (blocks of another dtype: nonzero allows)."""
+    return block if block.dtype == jnp.bool_ else block != 0
+
+
 def _fit_lanes(x, width: int):
     """A lane-dense row statistic (rows, LANES) as (rows, width)."""
     if width % LANES == 0:
@@ -266,7 +271,7 @@ def _forward_kernel(
         ids made partial has no stored block."""
         cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
         if mask is None:
-            ok = mask_ref[row0 : row0 + rows, cols] if tile_kind == PARTIAL else None
+            ok = _as_bool(mask_ref[row0 : row0 + rows, cols]) if tile_kind == PARTIAL else None
         else:
             row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
             keys = kv_block_ref[t] * block_kv + c * block_kv_compute
@@ -592,7 +597,7 @@ def _backward_kernel(
         (a stored mask read on partial tiles only, as in the forward)."""
         cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
         if mask is None:
-            ok = mask_ref[cols, row0 : row0 + block_q_sub] if tile_kind == PARTIAL else None
+            ok = _as_bool(mask_ref[cols, row0 : row0 + block_q_sub]) if tile_kind == PARTIAL else None
         else:
             row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
             keys = kv_block_ref[e] * block_kv + c * block_kv_compute
