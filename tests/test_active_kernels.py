@@ -450,6 +450,17 @@ def test_tensor_masks_of_other_contents_run_the_same_active_program():
     assert dict(TRACES) == before
 
 
+def test_a_stored_mask_s_lists_past_smem_are_refused_naming_the_kernel():
+    """One mask per head: a list per head, 64 of them of 1024 entries (full and causal at 32K in
+    1024 x 1024 blocks), past the 39321 entries five tables an entry leave in SMEM."""
+    mask = sm.MultiHeadMask((sm.FullMask(), sm.CausalMask(0)) * 32)
+    plan = torch_splash_jax.plan(
+        q_len=32768, num_q_heads=64, head_dim=128, dtype="bfloat16", mask=mask, platform="tpu", block_sizes=ACTIVE
+    )
+    with pytest.raises(torch_splash_jax.SplashConstraintError, match="forward_kernel='active': 65536 .* 39321"):
+        torch_splash_jax.program(plan)
+
+
 def test_a_sharded_call_is_refused_for_the_active_kernels_before_any_kernel_work():
     with pytest.raises(torch_splash_jax.SplashConstraintError, match="backward_kernel='active': the call is sharded"):
         torch_splash_jax.plan(

@@ -372,7 +372,7 @@ class _ActiveForward:
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
         self._plan_list(active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, stored=stored))
-        _check_entries(self.grid, self.blocks, plan, "forward_kernel", self.stored is not None)
+        _check_entries(self, plan, "forward_kernel")
 
     def _plan_list(self, b: dict) -> None:
         """The blocks b's list: `grid` (the tables, numpy) and, for a stored mask, `stored` (the
@@ -399,6 +399,11 @@ class _ActiveForward:
         count = _tables.bucket(max(len(blocks), _tables.MIN_PARTIAL_BLOCKS))
         blocks = np.pad(blocks, ((0, count - len(blocks)), (0, 0), (0, 0)))
         self.stored = [*padded, blocks.transpose(0, 2, 1) if self.backward else blocks]
+
+    @property
+    def entries(self) -> int:
+        """The entries of every list, as its tables hold them in SMEM (a stored mask's rounded)."""
+        return (self.grid if self.stored is None else self.stored)[0].size
 
     def _mask_arguments(self, tables) -> dict:
         """The kernel's grid and mask: a constant list and the shared mask, or the program's inputs."""
@@ -451,9 +456,9 @@ class _ActiveBackward(_ActiveForward):
         stored = self.mask is None
         for most_rows in (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
             self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
-            if self.grid[0].size <= _table_entries(self.stored is not None):
+            if self.entries <= _table_entries(self.stored is not None):
                 break
-        _check_entries(self.grid, self.blocks, plan, "backward_kernel", self.stored is not None)
+        _check_entries(self, plan, "backward_kernel")
 
     def __call__(self, tables, q, k, v, segment_ids, d_out, lse, di):
         """(dq, dk, dv) of one kernel call: dq float32, dk of the logits' keys (k times the scale)."""
@@ -490,9 +495,9 @@ def _table_entries(stored: bool) -> int:
     return ACTIVE_TABLE_ENTRIES * 4 // 5 if stored else ACTIVE_TABLE_ENTRIES
 
 
-def _check_entries(grid, blocks: dict, plan: Plan, option: str, stored: bool = False) -> None:
+def _check_entries(active: _ActiveForward, plan: Plan, option: str) -> None:
     """Refuse an active-block list longer than a TPU's SMEM holds, naming the option to change."""
-    entries, most = grid[0].size, _table_entries(stored)
+    entries, most, blocks = active.entries, _table_entries(active.stored is not None), active.blocks
     if entries > most:
         raise SplashConstraintError(
             f"block_sizes.{option}='active': {entries} active blocks of {blocks['block_q']} x "
