@@ -698,12 +698,21 @@ def _backward_kernel(
 
 
 def backward_vmem_bytes(
-    block_q: int, block_kv: int, block_q_sub: int, block_kv_compute: int, head_dim: int, head_dim_v: int, itemsize: int
+    block_q: int,
+    block_kv: int,
+    block_q_sub: int,
+    block_kv_compute: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    stored_mask: bool = False,
 ) -> int:
-    """The scoped VMEM the backward asks for: its double-buffered blocks, its float32 dk and dv sums
-    and three dq slots, and a tile's float32 logits, probabilities and their gradients, twice over
-    for the compiler's temporaries, within 16 to 64 MiB."""
+    """The scoped VMEM the backward asks for: its double-buffered blocks (a stored mask's block
+    too), its float32 dk and dv sums and three dq slots, and a tile's float32 logits,
+    probabilities and their gradients, twice over for the compiler's temporaries, within 16 to 64
+    MiB."""
     blocks = 2 * itemsize * (block_q * (head_dim + head_dim_v) + block_kv * (head_dim + head_dim_v))
+    blocks += 2 * MASK_BYTES * block_q * block_kv if stored_mask else 0
     blocks += 2 * 2 * 4 * 8 * block_q + 2 * 4 * (head_dim + head_dim_v) * block_kv  # lse, di; dk, dv outputs
     scratch = 4 * block_kv * (head_dim + head_dim_v) + 3 * 4 * block_q * head_dim
     tile = 5 * 4 * block_q_sub * block_kv_compute
@@ -755,8 +764,15 @@ def backward(
         raise ValueError(f"{block_q}x{block_kv} blocks in {block_q_sub}x{block_kv_compute} tiles: at most {MAX_TILES}")
     if vmem_limit is None:
         vmem_limit = backward_vmem_bytes(
-            block_q, block_kv, block_q_sub, block_kv_compute, head_dim, head_dim_v, q.dtype.itemsize
-        ) + (2 * MASK_BYTES * block_q * block_kv if stored_mask is not None else 0)
+            block_q,
+            block_kv,
+            block_q_sub,
+            block_kv_compute,
+            head_dim,
+            head_dim_v,
+            q.dtype.itemsize,
+            stored_mask is not None,
+        )
     q_block, kv_block, flags, sub_kinds = grid
     per_head_lists = q_block.shape[0] > 1
     if per_head_lists and q_block.shape[0] != num_heads:
