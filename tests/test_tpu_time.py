@@ -386,6 +386,32 @@ def test_v5e_s_clock_factor_is_the_one_the_real_chip_fits():
 
 @pytest.mark.torchtpu
 @needs_libtpu
+def test_the_active_kernels_reading_a_stored_mask_are_estimated_with_its_block_reads():
+    """Causal 4096 tokens as a bool array (stored blocks of at most 1024 x 1024) and one mask per
+    head: the same grid steps and tiles as the kernels run them (per-head lists, a step each entry
+    of each head's list), and the stored mask's blocks read from HBM. The diagonal blocks of a
+    causal mask are one stored block: each list fetches it once and names it on."""
+    active = torch_splash_jax.BlockSizes(forward_kernel="active")
+    shape = dict(q_len=4096, num_q_heads=8, head_dim=128, dtype="bfloat16", block_sizes=active)
+    tensor = torch_splash_jax.DenseMask(np.tri(4096, dtype=bool))
+    stored = {k.kind: k for k in _estimate("v5e", True, mask=tensor, **shape).kernels}
+    causal = {k.kind: k for k in _estimate("v5e", True, mask=torch_splash_jax.CausalMask(), **shape).kernels}
+    assert set(stored) == {"forward", "dkv"}
+    # 1024 x 1024 blocks: 10 active a head (4 diagonal ones taking 3 of their 4 tiles), rounded to 10
+    assert stored["forward"].flops == 2.0 * 8 * (6 * 1024 * 1024 + 4 * 3 * 512 * 512) * 256
+    assert stored["forward"].flops == causal["forward"].flops
+    per_head = torch_splash_jax.MultiHeadMask((torch_splash_jax.CausalMask(), torch_splash_jax.FullMask()) * 4)
+    mixed = {k.kind: k for k in _estimate("v5e", True, mask=per_head, **shape).kernels}
+    full_area, causal_area = 16 * 1024 * 1024, 6 * 1024 * 1024 + 4 * 3 * 512 * 512
+    assert mixed["forward"].flops == 2.0 * 4 * (full_area + causal_area) * 256
+    assert mixed["dkv"].flops == 2.0 * 4 * (full_area + causal_area) * 5 * 128
+    # the full heads' lists are longer: the causal ones pad to them, a step each
+    assert mixed["forward"].steps == 8 * 16
+    assert stored["forward"].schedule_seconds < mixed["forward"].schedule_seconds
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
 def test_the_active_kernels_are_estimated_by_the_tiles_their_blocks_take():
     """The active-block kernels (BlockSizes(forward_kernel="active")), a training step's: one grid
     step per active block, and of a partial block only the tiles its kinds take, the backward's five

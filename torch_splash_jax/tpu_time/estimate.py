@@ -277,6 +277,17 @@ def _itemsize(dtype: str) -> int:
     return jnp.dtype(dtype).itemsize
 
 
+def _active_lists(active, shared_units: int, calls: int):
+    """An active kernel's block lists as its program runs them, the units that run each and a
+    stored mask's block index: a shared list's units are the heads it serves in all (`shared_units`);
+    with one list a query head, every list is one unit's share and the units the kernel calls
+    (`calls`: the batch, a call each). A stored mask's lists are the rounded ones of its inputs."""
+    if active.stored is None:
+        return active.grid, shared_units, None
+    grid = active.stored[:4]
+    return grid, calls if grid[0].shape[0] > 1 else shared_units, active.stored[4]
+
+
 def splash_works(program) -> dict[str, Work]:
     """The work of each kernel of a torch_splash Program (an unsharded plan for TPU)."""
     from .. import compat
@@ -286,11 +297,6 @@ def splash_works(program) -> dict[str, Work]:
         raise SplashConstraintError(
             "kernel estimates cover unsharded programs with a kernel (no sequence or head sharding)"
         )
-    if any(a is not None and a.stored is not None for a in (program.active, program.active_backward)):
-        raise SplashConstraintError(
-            "kernel estimates cover the active-block kernels where they evaluate the mask: the reads of "
-            "a stored mask's blocks and one list per head are not modelled"
-        )
     blocks = p.block_sizes()
     fused = bool(blocks.get("use_fused_bwd_kernel"))
     infos = compat.kernel_mask_infos(program.kernel)
@@ -299,7 +305,12 @@ def splash_works(program) -> dict[str, Work]:
         units=p.batch * p.num_q_heads, head_dim=p.head_dim, head_dim_v=p.head_dim_v, itemsize=_itemsize(p.dtype)
     )
     if program.active is not None:  # the active-block forward
-        works = {"forward": active_work(program.active.grid, program.active.blocks, **common, has_segment_ids=ids)}
+        grid, units, index = _active_lists(program.active, p.batch * p.num_q_heads, p.batch)
+        works = {
+            "forward": active_work(
+                grid, program.active.blocks, **dict(common, units=units), has_segment_ids=ids, block_index=index
+            )
+        }
     else:
         works = {
             "forward": tables_work(
@@ -308,11 +319,13 @@ def splash_works(program) -> dict[str, Work]:
         }
     if program.active_backward is not None:
         b = program.active_backward
+        grid, units, index = _active_lists(b, p.batch * p.num_kv_heads, p.batch)
         works["dkv"] = active_backward_work(
-            b.grid,
+            grid,
             b.blocks,
-            units=p.batch * p.num_kv_heads,
-            group=p.num_q_heads // p.num_kv_heads,
+            units=units,
+            group=1 if grid[0].shape[0] > 1 else p.num_q_heads // p.num_kv_heads,
+            block_index=index,
             head_dim=p.head_dim,
             head_dim_v=p.head_dim_v,
             itemsize=common["itemsize"],

@@ -193,16 +193,17 @@ def tables_work(
     )
 
 
-def _tile_counts(grid, count: int, has_segment_ids: bool) -> tuple[list[int], list[int], int]:
-    """Of a block list's partial blocks (the host's kinds), as the active kernels run them: per
+def _tile_counts(grid, count: int, has_segment_ids: bool, straight: bool = True) -> tuple[list[int], list[int], int]:
+    """Of the block lists' partial blocks (the host's kinds), as the active kernels run them: per
     tile, how many take its unmasked and its masked path when they run a branch a tile (else []);
-    per straight-line tile pattern, how many take it (else []); and the tiles they compute."""
+    per straight-line tile pattern, how many take it (else []; none where `straight` is False, a
+    stored mask's); and the tiles they compute."""
     from ..active_kernels import FULL, KIND, PARTIAL, SKIP, tile_patterns
 
-    _, _, flags, sub = (np.asarray(t)[0] for t in grid)
+    _, _, flags, sub = (np.asarray(t) for t in grid)
     packed = sub[(flags & KIND) == PARTIAL]
     computed = sum(int((((packed >> (2 * i)) & KIND) != SKIP).sum()) for i in range(count))
-    patterns = tile_patterns(grid, has_segment_ids, count)
+    patterns = tile_patterns(grid, has_segment_ids, count) if straight else ()
     if patterns:
         return [], [int((packed == p).sum()) for p in patterns], computed
     tiles = []
@@ -210,6 +211,18 @@ def _tile_counts(grid, count: int, has_segment_ids: bool) -> tuple[list[int], li
         taken = (packed >> (2 * i)) & KIND
         tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
     return tiles, [], computed
+
+
+def _mask_reads(block_index, block_elements: int) -> int:
+    """The bytes a stored mask's blocks take from HBM per kernel call: a fetch wherever an entry
+    names another block than the entry before it (`active_kernels.block_index`), as int32."""
+    from ..active_kernels import MASK_BYTES
+
+    if block_index is None:
+        return 0
+    index = np.asarray(block_index).reshape(-1)
+    fetches = 1 + int((index[1:] != index[:-1]).sum())
+    return fetches * block_elements * MASK_BYTES
 
 
 def active_backward_work(
@@ -222,20 +235,24 @@ def active_backward_work(
     head_dim_v: int,
     itemsize: int,
     has_segment_ids: bool = False,
+    block_index=None,
 ) -> Work:
     """The active-block backward's work (`torch_splash_jax.active_kernels.backward`) from its block
-    list walked kv block after kv block (one list shared by the `units`, the batch x kv heads; each
-    entry taken once per query head of the group). Five matmuls a logit (q k^T, d_out v^T, p^T
-    d_out, ds^T q, ds k); its reads count each step's q and d_out blocks, each kv block's k and v
-    once, and dq's float32 block read and written back every step (dq accumulates in HBM). Segment
-    ids refine the kinds on the device: this counts the host's kinds."""
+    lists walked kv block after kv block (one list shared by the `units`, the batch x kv heads, each
+    entry taken once per query head of the group; or one list a query head, each taken once, the
+    units the kernel calls). Five matmuls a logit (q k^T, d_out v^T, p^T d_out, ds^T q, ds k); its
+    reads count each step's q and d_out blocks, each kv block's k and v once, dq's float32 block
+    read and written back every step (dq accumulates in HBM) and, for a mask read from stored
+    blocks (block_index: each entry's), each block fetched. Segment ids refine the kinds on the
+    device: this counts the host's kinds."""
     from ..active_kernels import FIRST, FULL, KIND, PARTIAL
 
-    flags = np.asarray(grid[2])[0]
+    flags = np.asarray(grid[2])
     kind = flags & KIND
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
-    tiles, patterns, computed = _tile_counts(grid, (block_q // rows) * (block_kv // chunk), has_segment_ids)
+    count = (block_q // rows) * (block_kv // chunk)
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, straight=block_index is None)
     area = group * (int((kind == FULL).sum()) * block_q * block_kv + computed * rows * chunk)
     steps = group * int(flags.size)
     columns = int(((flags & FIRST) != 0).sum())
@@ -249,27 +266,40 @@ def active_backward_work(
         full=group * int((kind == FULL).sum()),
         partial=group * int((kind == PARTIAL).sum()),
         flops=2.0 * units * area * (3 * head_dim + 2 * head_dim_v),
-        read_bytes=float(units * (steps * per_step + columns * block_kv * (head_dim + head_dim_v) * itemsize)),
+        read_bytes=float(
+            units * (steps * per_step + columns * block_kv * (head_dim + head_dim_v) * itemsize)
+            + units * _mask_reads(block_index, block_q * block_kv)
+        ),
         tiles=tuple(group * taken for taken in tiles),
         patterns=tuple(group * taken for taken in patterns),
     )
 
 
 def active_work(
-    grid, blocks: dict, *, units: int, head_dim: int, head_dim_v: int, itemsize: int, has_segment_ids: bool = False
+    grid,
+    blocks: dict,
+    *,
+    units: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    has_segment_ids: bool = False,
+    block_index=None,
 ) -> Work:
-    """The active-block forward's work (`torch_splash_jax.active_kernels`) from its block list
-    (q block, kv block, flags, tile kinds; one list shared by the `units`) and its blocks. Segment
-    ids refine the kinds on the device: this counts the host's kinds, an upper bound on the full
-    blocks."""
+    """The active-block forward's work (`torch_splash_jax.active_kernels`) from its block lists
+    (q block, kv block, flags, tile kinds: one list shared by the `units`, or one a query head, the
+    units then the kernel calls) and its blocks; block_index (each entry's stored block) for a mask
+    read from stored blocks, whose fetches it counts. Segment ids refine the kinds on the device:
+    this counts the host's kinds, an upper bound on the full blocks."""
     from ..active_kernels import FIRST, FULL, KIND, PARTIAL
 
-    flags = np.asarray(grid[2])[0]
+    flags = np.asarray(grid[2])
     kind = flags & KIND
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
-    count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] else 0
-    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids) if count else ([], [], 0)
+    count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] or block_index is not None else 0
+    straight = block_index is None
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, straight) if count else ([], [], 0)
     tile_area = computed * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
     area = int((kind == FULL).sum()) * block_q * block_kv + tile_area
     runs = int(((kind == FULL) | (kind == PARTIAL)).sum())
@@ -285,6 +315,7 @@ def active_work(
         flops=2.0 * units * area * (head_dim + head_dim_v),
         read_bytes=float(
             units * (row_count * block_q * head_dim + runs * block_kv * (head_dim + head_dim_v)) * itemsize
+            + units * _mask_reads(block_index, block_q * block_kv)
         ),
         tiles=tuple(tiles),
         patterns=tuple(patterns),
