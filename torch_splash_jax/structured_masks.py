@@ -363,7 +363,6 @@ def shared_structured_mask(mask: Mask) -> Mask | None:
 
 
 # The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
-# The structured mask families: evaluated in-kernel from the indices, with int/None fields (or
 # other structured masks). torch_splash registers them for torch.compile, and
 # torch_splash_jax.serialization writes them as source text, from this one tuple.
 STRUCTURED = (FullMask, CausalMask, LocalMask, PrefixMask, ChunkedCausalMask, And, Or, MultiHeadMask)
