@@ -155,6 +155,7 @@ TRAINING = (
     _c("B=8 causal 4K 32/8 D128", 8, 32, 8, 4096, 4096),
     _c("B=8 documents 2K 32/8 D128", 8, 32, 8, 2048, 2048, segment_ids=True),
     _c("causal 16K 16/16 D128, a bool tensor", 1, 16, 16, 16384, 16384, mask="causal-tensor"),
+    _c("per-head masks 16K 16/16 D128", 1, 16, 16, 16384, 16384, mask="per-head"),
 )
 # Decode rows: one token against a whole cache, and against caches of ragged lengths (each
 # sequence's as segment ids, as HF generation hands them over); chunked prefill against a 32K
