@@ -93,8 +93,12 @@ class Program(KernelTables):
         self.rows_may_be_empty = self.call_rows_may_be_empty or plan.ring
         self._layout = None  # _residual_layout
         # The active-block kernels (active_kernels), where the plan asks for them; None where JAX's run.
-        self.active = _ActiveForward(plan) if plan.forward_kernel == "active" and not self.no_pairs else None
-        self.active_backward = _ActiveBackward(plan) if plan.backward_kernel == "active" and not self.no_pairs else None
+        # a stored mask's blocks, made once for both kernels where their blocks are the same
+        made: dict = {}
+        self.active = _ActiveForward(plan, made) if plan.forward_kernel == "active" and not self.no_pairs else None
+        self.active_backward = (
+            _ActiveBackward(plan, made) if plan.backward_kernel == "active" and not self.no_pairs else None
+        )
         for active in (self.active, self.active_backward):  # a stored mask's tables: inputs, after JAX's
             if active is not None and active.stored is not None:
                 active.tables = slice(len(self._table_arrays), len(self._table_arrays) + len(active.stored))
@@ -366,8 +370,10 @@ class _ActiveForward:
 
     backward = False
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, plan: Plan, made: dict | None = None):
+        """made: a stored mask's blocks by block shape (`tables.stored_blocks`), shared with the
+        other kernel of the program (each new mask's contents are evaluated once)."""
+        self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
@@ -384,11 +390,11 @@ class _ActiveForward:
             tile_kinds = _kinds(self.mask, self.plan, rows, chunk) if b["block_q_sub"] or self.backward else None
             self.grid = walk(_kinds(self.mask, self.plan, b["block_q"], b["block_kv"]), tile_kinds)
             return
-        p = self.plan
-        heads = p.mask.masks if isinstance(p.mask, MultiHeadMask) else (p.mask,)
-        kinds, ids, blocks = _tables.stored_blocks(
-            heads, p.q_len, p.q_len_padded, p.kv_len_padded, p.kv_len, b["block_q"], b["block_kv"]
-        )
+        p, shape = self.plan, (b["block_q"], b["block_kv"])
+        if shape not in self._made:
+            heads = p.mask.masks if isinstance(p.mask, MultiHeadMask) else (p.mask,)
+            self._made[shape] = _tables.stored_blocks(heads, p.q_len, p.q_len_padded, p.kv_len_padded, p.kv_len, *shape)
+        kinds, ids, blocks = self._made[shape]
         self.grid = walk(kinds, active_kernels.stored_tiles(kinds, ids, blocks, rows, chunk))
         index = active_kernels.block_index(self.grid, ids)
         # rounded like JAX's stored tables (`tables.partial_mask_info`): padding entries repeat
@@ -447,14 +453,15 @@ class _ActiveBackward(_ActiveForward):
 
     backward = True
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, plan: Plan, made: dict | None = None):
+        self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
         # 1024-row q blocks; 2048 where their list outgrows SMEM (causal past 452,608 tokens): slower
-        # on the chip, but served as far as the forward's list
+        # on the chip, but served as far as the forward's list. A stored mask's blocks are at most
+        # 1024 a side either way.
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
-        for most_rows in (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
+        for most_rows in (ACTIVE_BACKWARD_BLOCK_Q,) if stored else (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
             self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
             if self.entries <= _table_entries(self.stored is not None):
                 break
