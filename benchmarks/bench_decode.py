@@ -64,7 +64,8 @@ def _plans(batch: int, q_len: int, kv_len: int):
         has_sinks=False,
         platform="tpu",
     )
-    return tsj.decode.decode_plan(**common), tsj.plan(**common)
+    # the baseline is JAX's splash forward
+    return tsj.decode.decode_plan(**common), tsj.plan(**common, block_sizes=tsj.BlockSizes(forward_kernel="splash"))
 
 
 def _estimate(estimate) -> dict:

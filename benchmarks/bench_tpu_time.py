@@ -8,7 +8,8 @@ leaves out); only tokamax's "measured" column was measured, on real chips, by to
    numbers fitted (a stall per row, and a clock factor per generation).
 2. Comparison, one device, per call of a training step (the forward with residuals, then the
    backward): JAX's splash at MaxText's defaults (512 blocks, separate dq and dkv kernels; also
-   torch_splash's TPU plan before the search below chose it), torch_splash's plan, and tokamax's
+   torch_splash's TPU plan before the search below chose it), JAX's splash at torch_splash's
+   planned blocks, torch_splash's own active-block kernels, and tokamax's
    forward at the configuration its cache measured (for other lengths: the one it measured for
    the nearest length), for causal, full, GQA, head_dim 256, document (causal with segment ids)
    and sliding-window masks, 4K to 128K tokens, on v5e, v5p, v6e and v7x.
@@ -81,9 +82,18 @@ def _mask(name: str, length: int):
     return tsj.CausalMask() & tsj.LocalMask(int(name.split()[1]) - 1, 0), False
 
 
-def _comparison_row(case: tuple, names=("maxtext", "planned")) -> dict:
+# Each comparison column's kernels: JAX's splash at MaxText's blocks, JAX's splash at the plan's
+# blocks ("planned"), and the project's own active-block kernels (the default where they serve).
+COLUMNS = {
+    "maxtext": dict(MAXTEXT_BLOCKS),
+    "planned": dict(forward_kernel="splash"),
+    "active": dict(forward_kernel="active"),
+}
+
+
+def _comparison_row(case: tuple, names=tuple(COLUMNS)) -> dict:
     """One row: the training step's kernels (forward with residuals, then the backward) estimated
-    for JAX's splash at MaxText's defaults and for torch_splash's plan, and tokamax's forward."""
+    for each of `names` (`COLUMNS`), and tokamax's forward."""
     import torch_splash_jax as tsj
     from torch_splash_jax import tpu_time
 
@@ -100,9 +110,9 @@ def _comparison_row(case: tuple, names=("maxtext", "planned")) -> dict:
             mask=mask,
             has_segment_ids=segment_ids,
             platform="tpu",
-            block_sizes=tsj.BlockSizes(**MAXTEXT) if name == "maxtext" else None,
+            block_sizes=tsj.BlockSizes(**COLUMNS[name]),
         )
-        row[name] = dict(blocks=plan.block_sizes())
+        row[name] = dict(blocks=plan.block_sizes() if plan.forward_kernel == "splash" else None)
         try:
             estimate = tpu_time.splash_estimate(plan, generation, backward=True)
         except Exception as error:  # a refusal is a result
@@ -229,7 +239,8 @@ def search(cases=SEARCH, candidates=None) -> list[dict]:
         row = dict(generation=generation, L=length, head_dim=dim, calibrated=bool(tpu_time.CLOCK_FACTOR), ms={})
         row["dq_buffer"], row["planned_as"] = {}, None
         for name in [*(candidates or CANDIDATES), "planned"]:
-            blocks = None if name == "planned" else tsj.BlockSizes(**CANDIDATES[name])
+            # JAX's splash kernels at the candidate's blocks, and at the plan's
+            blocks = tsj.BlockSizes(**(CANDIDATES.get(name) or {}), forward_kernel="splash")
             try:
                 plan = tsj.plan(q_len=length, num_q_heads=16, head_dim=dim, dtype="bfloat16", mask=tsj.CausalMask(),
                                 platform="tpu", block_sizes=blocks)  # fmt: skip
@@ -314,8 +325,8 @@ def worker(quick: bool, saved: pathlib.Path | None, parts=PARTS) -> dict:
         results["fitted"] = dict(row_stall_us=stall * 1e6, clock_factor=factors)
         print(f"fitted: ROW_STALL = {stall:.4g}, CLOCK_FACTOR = {factors}", flush=True)
     if "comparison" in parts:
-        if quick:  # the plan alone, and tokamax: the smoke run the tests make
-            results["comparison"] = [_comparison_row(case, ("planned",)) for case in QUICK_COMPARISON]
+        if quick:  # the plan's JAX kernels and the active ones, and tokamax: the smoke run the tests make
+            results["comparison"] = [_comparison_row(case, ("planned", "active")) for case in QUICK_COMPARISON]
         else:
             results["comparison"] = part("comparison", lambda: _rows(COMPARISON, saved))
     if "search" in parts:

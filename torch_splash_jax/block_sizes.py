@@ -30,14 +30,18 @@ class BlockSizes(Immutable):
         block_q_dq, block_kv_dq: the separate dq kernel's; setting one selects it.
         use_fused_bwd_kernel: compute dq inside the dkv kernel.
         q_layout, k_layout, v_layout: "HEAD_DIM_MINOR" or "SEQ_MINOR".
-        forward_kernel: "splash" (JAX's kernel, the default) or "active" (the project's own, over
-            each head's active blocks only, `torch_splash_jax.active_kernels`; its blocks are its
-            own, planned from the padded lengths). "active" serves unsharded calls with any
-            mask (masks that are data, and one mask per head, read from stored blocks); sharded
-            and ring calls are refused.
-        backward_kernel: the same choice for the backward (JAX's dq and dkv kernels, or the
-            project's one kernel whose dq, dk and dv accumulate in place); None follows
-            forward_kernel. Either backward takes either forward's output and logsumexp.
+        forward_kernel: "active" (the project's own, over each head's active blocks only,
+            `torch_splash_jax.active_kernels`; its blocks are its own, planned from the padded
+            lengths) or "splash" (JAX's kernel). "active" serves unsharded calls with any mask
+            (masks that are data, and one mask per head, read from stored blocks); sharded and
+            ring calls are refused. None: "active" where it serves the call and its lists surely
+            fit a TPU's SMEM, unless the caller set one of JAX's forward blocks (block_q, block_kv,
+            block_kv_compute) or a layout; else "splash".
+        backward_kernel: the same choice for the backward (the project's one kernel whose dq, dk
+            and dv accumulate in place, or JAX's dq and dkv kernels); None follows an explicit
+            forward_kernel, else is chosen as forward_kernel's None is (JAX's backward blocks and
+            use_fused_bwd_kernel asking for JAX's). Either backward takes either forward's output
+            and logsumexp.
 
     A block longer than the padded sequence is clamped to it. Refused with SplashConstraintError
     (when planned, before any JAX work): a kv block or compute block not a multiple of 128, a
@@ -79,7 +83,7 @@ def check_block_sizes(bs: BlockSizes) -> None:
             continue
         if field.name in ("forward_kernel", "backward_kernel"):
             if value not in FORWARD_KERNELS:
-                raise SplashConstraintError(f"{where}: must be one of {FORWARD_KERNELS} or None (JAX's splash).")
+                raise SplashConstraintError(f"{where}: must be one of {FORWARD_KERNELS} or None (planned).")
             continue
         if field.name.endswith("_layout"):
             if value not in _LAYOUTS:

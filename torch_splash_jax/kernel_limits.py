@@ -36,6 +36,14 @@ SMEM_STORED_TABLE_ENTRIES = SMEM_TABLE_ENTRIES * 3 // 5
 # The active-block forward's tables hold four int32 an entry (q block, kv block, flags, tile
 # kinds): the same 768 KiB.
 ACTIVE_TABLE_ENTRIES = (768 << 10) // 16
+
+
+def active_table_entries(stored: bool) -> int:
+    """The most entries an active-block list may have: its tables fill SMEM (a fifth table, each
+    entry's stored block, with a stored mask)."""
+    return ACTIVE_TABLE_ENTRIES * 4 // 5 if stored else ACTIVE_TABLE_ENTRIES
+
+
 DQ_MAX_Q_BLOCK = 1024
 F32_MAX_FORWARD_Q_BLOCK = 1024
 # The fused backward's dq buffer may always hold `fused_max_kv_blocks` copies of q, and more up to

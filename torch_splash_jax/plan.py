@@ -13,10 +13,18 @@ import dataclasses
 
 import numpy as np
 
-from .block_planning import PLATFORMS, plan_blocks
+from . import tables
+from .block_planning import (
+    ACTIVE_BACKWARD_BLOCK_Q,
+    ACTIVE_BLOCK_Q,
+    PLATFORMS,
+    active_backward_blocks,
+    active_forward_blocks,
+    plan_blocks,
+)
 from .block_sizes import BlockSizes
 from .errors import SplashConstraintError, SplashDtypeError
-from .kernel_limits import LANES, kernel_itemsize
+from .kernel_limits import LANES, active_table_entries, kernel_itemsize
 from .masks import FullMask, MultiHeadMask, shared_structured_mask
 from .sequence_layout import device_lengths, layout_positions
 
@@ -54,7 +62,8 @@ class Plan:
     # kv_len is one shard's keys, and ring_step says which shard's keys a program attends to).
     context_parallel: str = "all_gather"
     ring_step: int = 0
-    # The kernels: "splash" (JAX's) or "active" (block_sizes.BlockSizes.forward_kernel, backward_kernel).
+    # The kernels: "splash" (JAX's) or "active" (block_sizes.BlockSizes.forward_kernel, backward_kernel;
+    # `plan` chooses them where the caller does not).
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
 
@@ -181,8 +190,10 @@ def plan(
         has_segment_ids,
         soft_cap is not None,
     )
-    forward_kernel = block_sizes.forward_kernel or "splash"
-    backward_kernel = block_sizes.backward_kernel or forward_kernel
+    sharded = q_shards > 1 or head_shards > 1 or ring
+    forward_kernel, backward_kernel = _kernels(
+        block_sizes, sharded, mask, q_pad, kv_pad, kv_len, max(head_dim, head_dim_v), table_heads
+    )
     _check_active(forward_kernel, backward_kernel, mask, q_shards, head_shards, context_parallel)
     return Plan(
         forward_kernel=forward_kernel,
@@ -209,6 +220,56 @@ def plan(
         head_shards=head_shards if per_head else 1,
         context_parallel=context_parallel,
     )
+
+
+# Fields of JAX's kernels alone: a caller who sets one asks for that JAX kernel (the layouts, for all of them).
+_LAYOUTS = ("q_layout", "k_layout", "v_layout")
+_JAX_FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", *_LAYOUTS)
+_JAX_BACKWARD_FIELDS = (
+    "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq", "block_kv_dq", "use_fused_bwd_kernel",
+    *_LAYOUTS,
+)  # fmt: skip
+
+
+def _kernels(
+    block_sizes: BlockSizes, sharded: bool, mask, q_pad: int, kv_pad: int, kv_len: int, head_dim: int, lists: int
+):
+    """(forward, backward) kernels: the caller's (a backward left None follows an explicit forward),
+    else the active-block kernels wherever they serve the call, JAX's splash kernels where they do
+    not: sharded and ring calls, lists that may outgrow SMEM (`_active_lists_fit`), and a pass
+    whose JAX blocks the caller set. The active kernels are the faster on every call measured on
+    the v5e and, for the training step, on every call estimated for v5p, v6e and v7x
+    (docs/benchmarks.md), so the choice does not depend on the generation."""
+    forward = block_sizes.forward_kernel
+    backward = block_sizes.backward_kernel or forward
+
+    def planned(fields: tuple, is_backward: bool) -> str:
+        if sharded or any(getattr(block_sizes, f) is not None for f in fields):
+            return "splash"
+        fits = _active_lists_fit(mask, q_pad, kv_pad, kv_len, head_dim, lists, is_backward)
+        return "active" if fits else "splash"
+
+    return forward or planned(_JAX_FORWARD_FIELDS, False), backward or planned(_JAX_BACKWARD_FIELDS, True)
+
+
+def _active_lists_fit(mask, q_pad: int, kv_pad: int, kv_len: int, head_dim: int, lists: int, backward: bool) -> bool:
+    """Whether the active kernel's lists surely fit SMEM, as `splash_program` lays them out: a
+    structured mask's counted from its block kinds (the backward's at its longest q blocks, its
+    fallback), a stored mask's bounded by every block of each of its `lists` lists, rounded."""
+    shared = shared_structured_mask(mask)
+    stored = shared is None
+    if backward:
+        blocks = active_backward_blocks(
+            q_pad, kv_pad, head_dim, ACTIVE_BACKWARD_BLOCK_Q if stored else ACTIVE_BLOCK_Q, stored
+        )
+    else:
+        blocks = active_forward_blocks(q_pad, kv_pad, head_dim, stored=stored)
+    if stored:
+        every = (q_pad // blocks["block_q"]) * (kv_pad // blocks["block_kv"])
+        return lists * tables.bucket(every) <= active_table_entries(True)
+    kinds = tables.block_mask_table(shared, q_pad, kv_pad, kv_len, blocks["block_q"], blocks["block_kv"]) > 0
+    per_walk = kinds.T if backward else kinds  # the backward walks kv block after kv block
+    return int(np.maximum(per_walk.sum(axis=1), 1).sum()) <= active_table_entries(False)
 
 
 def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:

@@ -37,7 +37,7 @@ from . import active_kernels, compat, policy
 from . import tables as _tables
 from .block_planning import ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q, active_backward_blocks, active_forward_blocks
 from .errors import SplashConstraintError
-from .kernel_limits import ACTIVE_TABLE_ENTRIES, compute_dtype
+from .kernel_limits import active_table_entries, compute_dtype
 from .kernel_tables import KernelTables
 from .masks import MultiHeadMask, shared_structured_mask
 from .plan import Plan
@@ -463,7 +463,7 @@ class _ActiveBackward(_ActiveForward):
         stored = self.mask is None
         for most_rows in (ACTIVE_BACKWARD_BLOCK_Q,) if stored else (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
             self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
-            if self.entries <= _table_entries(self.stored is not None):
+            if self.entries <= active_table_entries(self.stored is not None):
                 break
         _check_entries(self, plan, "backward_kernel")
 
@@ -496,15 +496,9 @@ def _kinds(mask, plan: Plan, block_q: int, block_kv: int):
     return _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, block_q, block_kv)[None]
 
 
-def _table_entries(stored: bool) -> int:
-    """The most entries an active-block list may have: its tables fill SMEM (a fifth table, each
-    entry's stored block, with a stored mask)."""
-    return ACTIVE_TABLE_ENTRIES * 4 // 5 if stored else ACTIVE_TABLE_ENTRIES
-
-
 def _check_entries(active: _ActiveForward, plan: Plan, option: str) -> None:
     """Refuse an active-block list longer than a TPU's SMEM holds, naming the option to change."""
-    entries, most, blocks = active.entries, _table_entries(active.stored is not None), active.blocks
+    entries, most, blocks = active.entries, active_table_entries(active.stored is not None), active.blocks
     if entries > most:
         raise SplashConstraintError(
             f"block_sizes.{option}='active': {entries} active blocks of {blocks['block_q']} x "

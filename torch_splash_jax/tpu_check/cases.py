@@ -53,7 +53,7 @@ class Call:
         return eval(self.mask, {"__builtins__": {}}, vars(masks))  # noqa: S307 (this package's masks only)
 
     def plan(self, platform: str):
-        """The call's plan: the decode kernel's or the splash kernels'."""
+        """The call's plan: the decode kernel's or JAX's splash kernels'."""
         from .. import block_sizes, decode
         from ..plan import plan
 
@@ -75,8 +75,9 @@ class Call:
         )
         if self.kernel == "decode":
             return decode.decode_plan(**fields)
-        explicit = block_sizes.BlockSizes(**dict(self.blocks)) if self.blocks else None
-        return plan(**fields, block_sizes=explicit)
+        # JAX's splash kernels at the plan's blocks: the baseline the active kernels are timed against
+        explicit = dict(dict(self.blocks), forward_kernel="splash")
+        return plan(**fields, block_sizes=block_sizes.BlockSizes(**explicit))
 
     def scaled(self, factor: int) -> Call:
         """The same call with lengths divided by `factor` (at least 128), batch at most 2: the CPU's
