@@ -179,6 +179,64 @@ def test_the_active_backward_matches_float64_gradients(case, straight):
         assert error <= 1e-5, (name, error)
 
 
+# Blocks of 2 x 2 tiles of 256, so that a causal-shaped tile runs in two 128-key strips
+DIAGONAL_CASES = [
+    # (mask, heads, kv heads, Lq = Lkv, kv_len, D, Dv, options)
+    (sm.CausalMask(0), 4, 2, 1024, 1024, 64, 64, {}),
+    (sm.CausalMask(0) & sm.LocalMask(300, 0), 2, 2, 1024, 1000, 64, 32, dict(soft_cap=5.0, segment_ids=True)),
+]
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
+@pytest.mark.parametrize("case", DIAGONAL_CASES, ids=lambda c: f"{c[0]!r}-{c[7]}")
+def test_causal_shaped_tiles_run_in_strips_and_match_float64_gradients(case, straight):
+    """The backward runs a DIAGONAL tile (`tables.diagonal_tiles`) key strip by key strip, each
+    against its queries from the diagonal on; straight, and as the branch that runs it whole.
+    Tolerance as the backward's test above."""
+    mask, hq, hkv, length, kv_len, d, dv, options = case
+    rng = np.random.default_rng(2)
+    q, d_out = rng.standard_normal((hq, length, d)), rng.standard_normal((hq, length, dv))
+    k, v = rng.standard_normal((hkv, length, d)), rng.standard_normal((hkv, length, dv))
+    scale, soft_cap = d**-0.5, options.get("soft_cap")
+    allowed, ids = _allowed_and_ids(mask, length, length, kv_len, options, rng)
+    lse, di, *want = _float64_gradients(q, k, v, d_out, allowed[None], scale, soft_cap, None)
+    bq, bkv, tile = 512, 512, 256
+    tile_kinds = tables.block_mask_table(mask, length, length, kv_len, tile, tile)
+    tile_kinds = tables.diagonal_tiles(mask, tile_kinds, tile, tile, kv_len, active_kernels.STRIP)
+    assert (np.diag(tile_kinds) == tables.DIAGONAL).all()
+    grid = active_kernels.column_grid(
+        tables.block_mask_table(mask, length, length, kv_len, bq, bkv)[None], tile_kinds[None]
+    )
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    found = active_kernels.backward(
+        f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), f32(d_out), f32(lse), f32(di), grid,
+        mask=mask, kv_len=kv_len, block_q=bq, block_kv=bkv, block_kv_compute=tile, block_q_sub=tile,
+        soft_cap=None if soft_cap is None else soft_cap * active_kernels.LOG2E, segment_ids=ids, dk_scale=scale,
+        straight_patterns=straight, interpret=True,
+    )  # fmt: skip
+    for name, got, expected in zip(("dq", "dk", "dv"), found, want):
+        error = np.abs(np.asarray(got) - expected).max() / np.abs(expected).max()
+        assert error <= 1e-5, (name, error)
+
+
+def test_only_causal_shaped_square_tiles_are_diagonal():
+    causal = sm.CausalMask(0)
+    kinds = tables.block_mask_table(causal, 2048, 2048, 2048, 512, 512)
+    found = tables.diagonal_tiles(causal, kinds, 512, 512, 2048, 128)
+    assert (found == np.where(np.eye(4, dtype=bool), tables.DIAGONAL, kinds)).all()
+    # a window's far edge is partial but not causal-shaped; its diagonal tiles are
+    window = causal & sm.LocalMask(600, 0)
+    kinds = tables.block_mask_table(window, 2048, 2048, 2048, 512, 512)
+    found = tables.diagonal_tiles(window, kinds, 512, 512, 2048, 128)
+    assert (np.diag(found) == tables.DIAGONAL).all() and (found[np.tril_indices(4, -1)] != tables.DIAGONAL).all()
+    # the diagonal shifted off the tiles' corners, and tiles that are not square, stay partial
+    shifted = sm.CausalMask(64)
+    kinds = tables.block_mask_table(shifted, 2048, 2048, 2048, 512, 512)
+    assert (tables.diagonal_tiles(shifted, kinds, 512, 512, 2048, 128) == kinds).all()
+    kinds = tables.block_mask_table(causal, 2048, 2048, 2048, 512, 256)
+    assert (tables.diagonal_tiles(causal, kinds, 512, 256, 2048, 128) == kinds).all()
+
+
 def _random_dense(lq: int, kv_len: int, seed: int):
     """A DenseMask with full, empty and partial blocks at the test's block sizes: causal with
     random holes and a band of rows that see no key."""

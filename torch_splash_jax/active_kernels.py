@@ -35,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import compat
 from .decode_kernel import MASKED  # exp2(MASKED - m) is 0 for any real maximum m, MASKED - MASKED is 0
 from .kernel_limits import LANES, SUBLANES  # row statistics are kept lane-dense, (rows, LANES)
+from .tables import DIAGONAL
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -45,6 +46,8 @@ FIRST, LAST = 4, 8
 NT = (((1,), (1,)), ((), ()))  # contract the last axes: q k^T
 NN = (((1,), (0,)), ((), ()))
 MAX_TILES = 16  # 2 bits each in one int32 table entry
+# A DIAGONAL tile (`tables.diagonal_tiles`) runs in strips of this many query rows and keys.
+STRIP = LANES
 # A stored mask's blocks are bool, which TPU memory holds as int32. int8 would take a quarter, but
 # libtpu 0.0.21 (torch_xla 2.9's) aborts the process compiling an int8 block ("Check failed:
 # rem == 0" in layout.h), where 0.0.52 compiles it.
@@ -131,7 +134,7 @@ def tile_patterns(grid, has_segment_ids: bool, tiles: int) -> tuple[int, ...]:
     kind = flags & KIND
     patterns = [int(p) for p in np.unique(sub[(kind == PARTIAL) | ((kind == FULL) & has_segment_ids)])]
     kinds = [k for p in patterns for k in _unpack(p, tiles)]
-    masked = sum(k == PARTIAL or (k == FULL and has_segment_ids) for k in kinds)
+    masked = sum(k in (PARTIAL, DIAGONAL) or (k == FULL and has_segment_ids) for k in kinds)
     plain = sum(k == FULL and not has_segment_ids for k in kinds)
     fits = plain + masked <= 2 * tiles and masked <= (2 if has_segment_ids else 1) * tiles
     return tuple(patterns) if fits else ()
@@ -256,26 +259,28 @@ def _forward_kernel(
             for c, tile_kind in enumerate(row_kinds):
                 if tile_kind == SKIP:
                     continue
+                # A DIAGONAL tile runs whole: in strips (as the backward runs it) the forward took
+                # longer on the v5e (16K causal 6.77 against 6.74 ms), its 128-row matmuls slower.
+                tile_kind = PARTIAL if tile_kind == DIAGONAL else tile_kind
                 cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
                 s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 if tile_kind == PARTIAL or masked_full:
-                    s = jnp.where(allowed(r * rows_per, rows_per, c, tile_kind), s, MASKED)
+                    s = jnp.where(allowed(r * rows_per, rows_per, cols, tile_kind), s, MASKED)
                 m, total = _online_softmax(s, v_ref[cols, :], m, total, acc_ref, rows)
             m_ref[rows, :], l_ref[rows, :] = m, total
 
-    def allowed(row0: int, rows: int, c: int, tile_kind: int):
-        """Which logits of `rows` rows from row0 and key chunk c the mask, the real keys and the
-        segment ids allow. A stored mask is read on partial tiles only: a full block that segment
-        ids made partial has no stored block."""
-        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+    def allowed(row0: int, rows: int, cols: slice, tile_kind: int):
+        """Which logits of `rows` rows from row0 and the block's keys `cols` the mask, the real
+        keys and the segment ids allow. A stored mask is read on partial tiles only: a full block
+        that segment ids made partial has no stored block."""
         if mask is None:
             ok = _as_bool(mask_ref[row0 : row0 + rows, cols]) if tile_kind == PARTIAL else None
         else:
             row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-            keys = kv_block_ref[t] * block_kv + c * block_kv_compute
-            keys = keys + lax.broadcasted_iota(jnp.int32, (1, block_kv_compute), 1)
+            keys = kv_block_ref[t] * block_kv + cols.start
+            keys = keys + lax.broadcasted_iota(jnp.int32, (1, cols.stop - cols.start), 1)
             ok = mask.allows(row_ids, keys)
             real = keys < kv_len
             ok = real if ok is None else ok & real
@@ -292,7 +297,7 @@ def _forward_kernel(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         if tile_kind == PARTIAL or has_segment_ids:
-            s = jnp.where(allowed(r * block_q_sub, block_q_sub, c, tile_kind), s, MASKED)
+            s = jnp.where(allowed(r * block_q_sub, block_q_sub, cols, tile_kind), s, MASKED)
         m_ref[rows, :], l_ref[rows, :] = _online_softmax(
             s, v_ref[cols, :], m_ref[rows, :], l_ref[rows, :], acc_ref, rows
         )
@@ -301,9 +306,9 @@ def _forward_kernel(
         tiles = sub_kinds_ref[t]
         for r in range(block_q // block_q_sub):
             for c in range(chunks):
-                tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND
+                tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND  # DIAGONAL runs as PARTIAL here
                 pl.when(tile_kind == FULL)(functools.partial(tile, r, c, FULL))
-                pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, PARTIAL))
+                pl.when((tile_kind == PARTIAL) | (tile_kind == DIAGONAL))(functools.partial(tile, r, c, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * chunks], False))
     if not block_q_sub:
@@ -519,6 +524,7 @@ def _backward_kernel(
     q_len: int,
     patterns: tuple[int, ...],
     per_head_lists: bool,
+    dk_scale: float,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
         block_index_ref, *refs = refs
@@ -592,21 +598,21 @@ def _backward_kernel(
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
-    def allowed(row0: int, c: int, tile_kind: int):
-        """Which logits, keys chunk c (rows) by block_q_sub queries from row0 (lanes), are allowed
+    def allowed(rows: slice, cols: slice, tile_kind: int):
+        """Which logits, the block's keys `cols` (rows) by its queries `rows` (lanes), are allowed
         (a stored mask read on partial tiles only, as in the forward)."""
-        cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
         if mask is None:
-            ok = _as_bool(mask_ref[cols, row0 : row0 + block_q_sub]) if tile_kind == PARTIAL else None
+            ok = _as_bool(mask_ref[cols, rows]) if tile_kind == PARTIAL else None
         else:
-            row_ids = q_block_ref[e] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (1, block_q_sub), 1)
-            keys = kv_block_ref[e] * block_kv + c * block_kv_compute
-            keys = keys + lax.broadcasted_iota(jnp.int32, (block_kv_compute, 1), 0)
+            width = rows.stop - rows.start
+            row_ids = q_block_ref[e] * block_q + rows.start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            keys = kv_block_ref[e] * block_kv + cols.start
+            keys = keys + lax.broadcasted_iota(jnp.int32, (cols.stop - cols.start, 1), 0)
             ok = mask.allows(row_ids, keys)
             real = keys < kv_len
             ok = real if ok is None else ok & real
         if has_segment_ids:
-            same = q_ids_ref[:, row0 : row0 + block_q_sub] == kv_ids_ref[cols, :]
+            same = q_ids_ref[:, rows] == kv_ids_ref[cols, :]
             ok = same if ok is None else ok & same
         return ok
 
@@ -615,6 +621,22 @@ def _backward_kernel(
         (values in, values out) so that a chunk's sums stay out of VMEM between tiles."""
         rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
         cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
+        return part(rows, cols, tile_kind, masked, dk, dv)
+
+    def diagonal(r: int, c: int, dk, dv):
+        """A DIAGONAL tile: key strip a against query strips a.. of tile row r only (the rest of
+        the tile is empty); each strip's dk and dv are a slice of the chunk's."""
+        parts = []
+        for a in range(block_kv_compute // STRIP):
+            rows = slice(r * block_q_sub + a * STRIP, (r + 1) * block_q_sub)
+            cols = slice(c * block_kv_compute + a * STRIP, c * block_kv_compute + (a + 1) * STRIP)
+            strip = slice(a * STRIP, (a + 1) * STRIP)
+            parts.append(part(rows, cols, PARTIAL, True, dk[strip], dv[strip]))
+        return (jnp.concatenate([p[n] for p in parts], axis=0) for n in (0, 1))
+
+    def part(rows: slice, cols: slice, tile_kind: int, masked: bool, dk, dv):
+        """The logits of queries `rows` and keys `cols` of the block: their dq share added into the
+        slot, dk and dv (those keys') returned."""
         q, do = q_ref[rows, :], do_ref[rows, :]
         k, v = k_ref[cols, :], v_ref[cols, :]
         s = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32)  # (keys, rows), base 2
@@ -622,7 +644,7 @@ def _backward_kernel(
             capped = jnp.tanh(s / soft_cap)
             s = soft_cap * capped
         if masked:
-            s = jnp.where(allowed(r * block_q_sub, c, tile_kind), s, MASKED)
+            s = jnp.where(allowed(rows, cols, tile_kind), s, MASKED)
         p = jnp.exp2(s - lse_ref[:, rows])
         dv = dv + lax.dot_general(p.astype(do.dtype), do, NN, preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
@@ -632,7 +654,8 @@ def _backward_kernel(
         ds = ds.astype(q.dtype)
         dk = dk + lax.dot_general(ds, q, NN, preferred_element_type=jnp.float32)
         dq = lax.dot_general(ds.T, k, NN, preferred_element_type=jnp.float32)
-        at = pl.ds(pl.multiple_of(cur * block_q + r * block_q_sub, block_q_sub), block_q_sub)
+        width = rows.stop - rows.start
+        at = pl.ds(pl.multiple_of(cur * block_q + rows.start, math.gcd(block_q, rows.start or block_q)), width)
         dq_slots[at, : dq.shape[1]] = dq_slots[at, : dq.shape[1]] + dq
         return dk, dv
 
@@ -647,7 +670,9 @@ def _backward_kernel(
             cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
             dk, dv = dk_acc[cols, :], dv_acc[cols, :]
             for r, tile_kind in enumerate(column):
-                if tile_kind != SKIP:
+                if tile_kind == DIAGONAL:
+                    dk, dv = diagonal(r, c, dk, dv)
+                elif tile_kind != SKIP:
                     dk, dv = tile(r, c, tile_kind, tile_kind == PARTIAL or masked_full, dk, dv)
             dk_acc[cols, :], dv_acc[cols, :] = dk, dv
 
@@ -664,8 +689,8 @@ def _backward_kernel(
                         r, c, kind_of_tile, masked, dk_acc[cols, :], dv_acc[cols, :]
                     )
 
-                pl.when(tile_kind == FULL)(functools.partial(run, FULL))
-                pl.when(tile_kind == PARTIAL)(functools.partial(run, PARTIAL))
+                pl.when(tile_kind == FULL)(functools.partial(run, FULL))  # DIAGONAL runs as PARTIAL here
+                pl.when((tile_kind == PARTIAL) | (tile_kind == DIAGONAL))(functools.partial(run, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * row_tiles] * chunks, has_segment_ids))
     run = functools.partial(straight, masked_full=has_segment_ids)
@@ -693,7 +718,7 @@ def _backward_kernel(
 
     @pl.when(last_of_column)
     def _finish():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (dk_acc[...] * dk_scale if dk_scale != 1 else dk_acc[...]).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
@@ -738,6 +763,7 @@ def backward(
     segment_ids=None,
     stored_mask=None,
     dq=None,
+    dk_scale: float = 1.0,
     vmem_limit: int | None = None,
     straight_patterns: bool = True,
     interpret: bool = False,
@@ -750,10 +776,11 @@ def backward(
     query head (then each query head walks its own list and its dk, dv are summed over the heads
     of its group afterwards). stored_mask: as in `forward`, with blocks (M, block_kv, block_q),
     transposed. dq: float32 (Hq, Lq, D) to add into (zeros if None; the buffer is donated to the
-    result). straight_patterns as in `forward`.
+    result). straight_patterns as in `forward`. dk_scale: a factor dk is written with (the
+    softmax scale gives the caller's k its gradient, with no pass over dk after the kernel).
 
-    Returns dq (Hq, Lq, D) float32, the gradient of q; dk (Hkv, Lkv, D), the gradient of k times
-    the softmax scale (the logits' k), and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA
+    Returns dq (Hq, Lq, D) float32, the gradient of q; dk (Hkv, Lkv, D), the gradient of the
+    logits' k (k times the softmax scale) times dk_scale, and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA
     and MQA heads are summed over the query heads a kv head serves."""
     num_heads, q_len, head_dim = q.shape
     kv_heads, _, head_dim_v = v.shape
@@ -859,6 +886,7 @@ def backward(
         q_len=q_len,
         patterns=patterns,
         per_head_lists=per_head_lists,
+        dk_scale=float(dk_scale),
     )
     out_heads = num_heads if per_head_lists else kv_heads
     # summed over a group afterwards: in float32, as the kernel sums within a list

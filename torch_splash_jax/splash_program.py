@@ -343,7 +343,8 @@ class Program(KernelTables):
         has_keys = row_has_keys(lse)
         lse = jnp.where(has_keys, lse, jnp.inf)  # p = exp(logit - lse) is then 0 on rows with no key
         out, d_out = (self._pad(x.astype(compute_dtype(p.dtype)), 2, p.q_len_padded) for x in (out, d_out))
-        d_out = jnp.where(has_keys[..., None], d_out, 0).astype(d_out.dtype)
+        if self.call_rows_may_be_empty:  # else every row has keys: no pass over d_out
+            d_out = jnp.where(has_keys[..., None], d_out, 0).astype(d_out.dtype)
         di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
         calls = per_call[0].shape[0]
         rows = [self._per_call(x, calls) for x in (d_out, lse, di)]
@@ -351,7 +352,7 @@ class Program(KernelTables):
         batch = q.shape[0]
         dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
         dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
-        dk = scaled(dk[..., : p.kv_len, :], p.scale).astype(k.dtype)
+        dk = dk[..., : p.kv_len, :].astype(k.dtype)  # the kernel scaled it (`_ActiveBackward`)
         dv = dv[..., : p.kv_len, :].astype(v.dtype)
         if sinks is None:
             return dq, dk, dv
@@ -387,7 +388,7 @@ class _ActiveForward:
         walk = active_kernels.column_grid if self.backward else active_kernels.active_grid
         rows, chunk = b["block_q_sub"] or b["block_q"], b["block_kv_compute"]
         if self.mask is not None:
-            tile_kinds = _kinds(self.mask, self.plan, rows, chunk) if b["block_q_sub"] or self.backward else None
+            tile_kinds = _tile_kinds(self.mask, self.plan, rows, chunk) if b["block_q_sub"] or self.backward else None
             self.grid = walk(_kinds(self.mask, self.plan, b["block_q"], b["block_kv"]), tile_kinds)
             return
         p, shape = self.plan, (b["block_q"], b["block_kv"])
@@ -468,7 +469,7 @@ class _ActiveBackward(_ActiveForward):
         _check_entries(self, plan, "backward_kernel")
 
     def __call__(self, tables, q, k, v, segment_ids, d_out, lse, di):
-        """(dq, dk, dv) of one kernel call: dq float32, dk of the logits' keys (k times the scale)."""
+        """(dq, dk, dv) of one kernel call: dq float32, dk the gradient of the caller's (unscaled) k."""
         p = self.plan
         mqa = k.ndim == 2  # the MQA layout `_kernel_inputs` gives
         if mqa:
@@ -485,6 +486,7 @@ class _ActiveBackward(_ActiveForward):
             **self.blocks,
             soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
             segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
+            dk_scale=p.scale,
             interpret=p.platform != "tpu",
         )
         return (dq, dk[0], dv[0]) if mqa else (dq, dk, dv)
@@ -494,6 +496,12 @@ def _kinds(mask, plan: Plan, block_q: int, block_kv: int):
     """The kinds of the blocks (or tiles) of block_q x block_kv a structured mask gives the plan's
     padded lengths, (1, q blocks, kv blocks): one list every head shares."""
     return _tables.block_mask_table(mask, plan.q_len_padded, plan.kv_len_padded, plan.kv_len, block_q, block_kv)[None]
+
+
+def _tile_kinds(mask, plan: Plan, rows: int, chunk: int):
+    """`_kinds` of tiles, causal-shaped partial tiles marked `tables.DIAGONAL` (run strip by strip)."""
+    kinds = _kinds(mask, plan, rows, chunk)[0]
+    return _tables.diagonal_tiles(mask, kinds, rows, chunk, plan.kv_len, active_kernels.STRIP)[None]
 
 
 def _check_entries(active: _ActiveForward, plan: Plan, option: str) -> None:

@@ -105,6 +105,38 @@ def block_mask_table(spec: Mask, q_len_padded: int, kv_len_padded: int, kv_len: 
     return _classify(spec, q0, q0 + block_q - 1, kv_len_padded, kv_len, block_kv)
 
 
+# A tile kind beside block_mask_table's 0, 1 and 2 (`diagonal_tiles`).
+DIAGONAL = 3
+
+
+def diagonal_tiles(spec: Mask, kinds: np.ndarray, rows: int, chunk: int, kv_len: int, strip: int) -> np.ndarray:
+    """Tile kinds (nq tiles, nkv tiles) of `rows` x `chunk` tiles (block_mask_table's) with each
+    partial tile that is causal-shaped in strip x strip sub-blocks marked DIAGONAL: square, and
+    its sub-blocks (query strip i, key strip j) empty above the diagonal (j > i), full below it
+    and partial on it. The active kernels run such a tile strip by strip, query strip i against
+    key strips 0..i only: 5/8 of the tile's work at 4 strips, where a partial tile computes all."""
+    n = rows // strip
+    if rows != chunk or rows % strip or n < 2:
+        return kinds
+    at = np.argwhere(kinds == 1)  # (tiles, 2): tile row, tile column
+    if not at.size:
+        return kinds
+    offsets = np.arange(n) * strip
+    q0 = (at[:, 0] * rows)[:, None, None] + offsets[None, :, None]
+    k0 = (at[:, 1] * chunk)[:, None, None] + offsets[None, None, :]
+    q1, k1 = q0 + strip - 1, k0 + strip - 1
+    any_, all_ = spec.blocks(q0, q1, k0, np.minimum(k1, kv_len - 1))
+    any_ = any_ & (k0 < kv_len)
+    all_ = all_ & spec.blocks(q0, q1, k0, k1)[1] & (k1 < kv_len)
+    sub = np.where(all_, 2, np.where(any_, 1, 0))
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    shape = np.where(j > i, 0, np.where(j < i, 2, 1))
+    diagonal = (np.broadcast_to(sub, (len(at), n, n)) == shape).all(axis=(1, 2))
+    out = kinds.copy()
+    out[at[diagonal, 0], at[diagonal, 1]] = DIAGONAL
+    return out
+
+
 def _next_in_grid(steps: np.ndarray, coordinate: np.ndarray, is_dkv: bool) -> np.ndarray:
     """For (heads, q blocks, kv blocks) tables: at each grid step, `coordinate` at the first step at
     or after it, in the kernel's grid order and wrapping, where `steps` is true. The forward and dq

@@ -193,23 +193,29 @@ def tables_work(
     )
 
 
-def _tile_counts(grid, count: int, has_segment_ids: bool, straight: bool = True) -> tuple[list[int], list[int], int]:
+def _tile_counts(
+    grid, count: int, has_segment_ids: bool, rows: int, straight: bool = True, strips_run: bool = False
+) -> tuple[list[int], list[int], float]:
     """Of the block lists' partial blocks (the host's kinds), as the active kernels run them: per
     tile, how many take its unmasked and its masked path when they run a branch a tile (else []);
     per straight-line tile pattern, how many take it (else []; none where `straight` is False, a
-    stored mask's); and the tiles they compute."""
-    from ..active_kernels import FULL, KIND, PARTIAL, SKIP, tile_patterns
+    stored mask's); and the tiles they compute (a DIAGONAL tile of `rows` rows counted by its share)."""
+    from ..active_kernels import DIAGONAL, FULL, KIND, PARTIAL, SKIP, STRIP, tile_patterns
 
     _, _, flags, sub = (np.asarray(t) for t in grid)
     packed = sub[(flags & KIND) == PARTIAL]
-    computed = sum(int((((packed >> (2 * i)) & KIND) != SKIP).sum()) for i in range(count))
+    taken = [(packed >> (2 * i)) & KIND for i in range(count)]
     patterns = tile_patterns(grid, has_segment_ids, count) if straight else ()
+    # the backward's DIAGONAL tiles compute (n + 1) / 2n of their area in n strips where they run
+    # straight; the forward's, and any as a branch, all of it
+    strips = rows // STRIP
+    share = (strips + 1) / (2 * strips) if patterns and strips_run else 1.0
+    computed = sum(int(((k != SKIP) & (k != DIAGONAL)).sum()) + share * int((k == DIAGONAL).sum()) for k in taken)
     if patterns:
         return [], [int((packed == p).sum()) for p in patterns], computed
     tiles = []
-    for i in range(count):
-        taken = (packed >> (2 * i)) & KIND
-        tiles += [int((taken == FULL).sum()), int((taken == PARTIAL).sum())]
+    for k in taken:
+        tiles += [int((k == FULL).sum()), int(((k == PARTIAL) | (k == DIAGONAL)).sum())]
     return tiles, [], computed
 
 
@@ -252,7 +258,7 @@ def active_backward_work(
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk)
-    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, straight=block_index is None)
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, rows, block_index is None, strips_run=True)
     area = group * (int((kind == FULL).sum()) * block_q * block_kv + computed * rows * chunk)
     steps = group * int(flags.size)
     columns = int(((flags & FIRST) != 0).sum())
@@ -299,7 +305,7 @@ def active_work(
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk) if blocks["block_q_sub"] or block_index is not None else 0
     straight = block_index is None
-    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, straight) if count else ([], [], 0)
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, rows, straight) if count else ([], [], 0)
     tile_area = computed * rows * chunk if count else int((kind == PARTIAL).sum()) * block_q * block_kv
     area = int((kind == FULL).sum()) * block_q * block_kv + tile_area
     runs = int(((kind == FULL) | (kind == PARTIAL)).sum())
