@@ -291,18 +291,22 @@ def default_results():
 def _expected_mosaic_calls(result, kind, case):
     """forward and infer: one kernel; backward: dkv, and dq unless the plan fused it into dkv or
     the active backward (one kernel) runs in their place."""
-    active = "active" in (case.get("blocks") or {}).values()
-    return {"forward": 1, "infer": 1, "backward": 1 if active or result["blocks"]["use_fused_bwd_kernel"] else 2}[kind]
+    one = result.get("backward_kernel") == "active" or result["blocks"]["use_fused_bwd_kernel"]
+    return {"forward": 1, "infer": 1, "backward": 1 if one else 2}[kind]
 
 
 def _step_mosaic_calls() -> int:
-    """The training step's kernels (tpu_compile_worker._tiny_model_step: 2 layers, 512 tokens, head_dim 64)
-    as the TPU plan has them: per layer the forward, then dkv and dq or the fused dkv."""
-    from torch_splash_jax import BlockSizes
-    from torch_splash_jax.block_planning import plan_blocks
+    """The training step's kernels (tpu_compile_worker._tiny_model_step: 2 layers, B=4, 512 tokens,
+    4/2 heads, head_dim 64, causal) as the TPU plan has them: per layer the forward, then the
+    active backward, the fused dkv, or dkv and dq."""
+    import torch_splash_jax
 
-    fused = dict(plan_blocks(512, 512, BlockSizes(), "tpu", 64)[2])["use_fused_bwd_kernel"]
-    return 2 * (2 if fused else 3)
+    plan = torch_splash_jax.plan(
+        q_len=512, num_q_heads=4, num_kv_heads=2, head_dim=64, batch=4, mask=torch_splash_jax.CausalMask(),
+        platform="tpu",
+    )  # fmt: skip
+    one = plan.backward_kernel == "active" or plan.block_sizes()["use_fused_bwd_kernel"]
+    return 2 * (2 if one else 3)
 
 
 def _assert_compiled(results, case, kind, generation):

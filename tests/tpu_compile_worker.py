@@ -227,6 +227,7 @@ def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> 
                     compile_s=round(time.perf_counter() - start, 2),
                     mosaic_calls=mosaic_calls,
                     blocks=_blocks(plan),
+                    backward_kernel=getattr(plan, "backward_kernel", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

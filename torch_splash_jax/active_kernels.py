@@ -43,6 +43,7 @@ LN2 = math.log(2.0)
 SKIP, PARTIAL, FULL = 0, 1, 2  # an entry's kind: the block kinds of tables.block_mask_table
 KIND = 3
 FIRST, LAST = 4, 8
+FRESH = 16  # the backward's: the entry is its list's first to meet its q block (`column_grid`)
 NT = (((1,), (1,)), ((), ()))  # contract the last axes: q k^T
 NN = (((1,), (0,)), ((), ()))
 MAX_TILES = 16  # 2 bits each in one int32 table entry
@@ -479,7 +480,7 @@ def forward(
             pltpu.VMEM((block_q, head_dim_v), jnp.float32),
         ],
     )
-    out, lse = pl.pallas_call(
+    call = pl.pallas_call(
         body,
         grid_spec=grid_spec,
         out_shape=[
@@ -491,18 +492,33 @@ def forward(
         ),
         interpret=interpret,
         name="active_forward",
-    )(*tables, *inputs)
+    )
+    call = compat.named_kernel_call(call, "active_forward")
+    out, lse = call(*tables, *inputs)
     return out, lse[:, 0]
 
 
 def column_grid(kinds: np.ndarray, tile_kinds: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """`active_grid` walked kv block after kv block (the backward's order): (q block, kv block,
     flags, tile kinds), FIRST and LAST marking a kv block's first and last entries, a kv block with
-    no rows one entry of kind SKIP (its dk and dv are 0); tile (q rows r, keys c) of R x C tiles at
-    bits 2 * (c * R + r)."""
+    no rows one entry of kind SKIP (its dk and dv are 0), FRESH each list's first entry to meet its
+    q block; tile (q rows r, keys c) of R x C tiles at bits 2 * (c * R + r)."""
     tiles = None if tile_kinds is None else tile_kinds.transpose(0, 2, 1)
     kv_block, q_block, flags, sub = active_grid(kinds.transpose(0, 2, 1), tiles)
+    for g in range(q_block.shape[0]):
+        real = np.flatnonzero(flags[g])  # padding entries have no flags
+        first = np.unique(q_block[g, real], return_index=True)[1]
+        flags[g, real[first]] |= FRESH
     return q_block, kv_block, flags, sub
+
+
+def meets_every_q_block(grid, q_blocks: int) -> bool:
+    """Whether each list of a backward grid (host tables) meets every one of q_blocks q blocks:
+    then each q block's dq is first written at its FRESH entry, and needs no zeros beforehand."""
+    q_block, _, flags, _ = grid
+    if not all(isinstance(t, np.ndarray) for t in (q_block, flags)):
+        return False  # a stored mask's tables are the program's inputs
+    return all(len(np.unique(q_block[g, flags[g] != 0])) == q_blocks for g in range(q_block.shape[0]))
 
 
 def _backward_kernel(
@@ -525,6 +541,7 @@ def _backward_kernel(
     patterns: tuple[int, ...],
     per_head_lists: bool,
     dk_scale: float,
+    fresh: bool,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
         block_index_ref, *refs = refs
@@ -533,7 +550,9 @@ def _backward_kernel(
     refs = refs[6:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
     mask_ref = refs.pop(0) if mask is None else None
-    _, dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_slots, sems, state = refs
+    if not fresh:  # dq_hbm aliases this input: what dq adds into
+        refs = refs[1:]
+    dk_ref, dv_ref, dq_hbm, dk_acc, dv_acc, dq_slots, sems, state = refs
     h, n = pl.program_id(0), pl.program_id(1)
 
     def entry(m):
@@ -550,11 +569,12 @@ def _backward_kernel(
     first_of_column = ((flags & FIRST) != 0) & (qh == h * group)
     last_of_column = ((flags & LAST) != 0) & (qh == h * group + group - 1)
 
-    # dq accumulates in place in HBM (the aliased float32 dq_hbm): each step reads its q block's dq
-    # into one of three VMEM slots, adds its share and writes it back, the read of the next step's
-    # block and the write of the last one's in flight while this one computes. A step whose block is
-    # the one before's keeps the slot; one whose block is the step before last's waits for that
-    # block's write before reading it.
+    # dq accumulates in place in HBM (the float32 dq_hbm): each step reads its q block's dq into one
+    # of three VMEM slots, adds its share and writes it back, the read of the next step's block and
+    # the write of the last one's in flight while this one computes. A step whose block is the one
+    # before's keeps the slot; one whose block is the step before last's waits for that block's
+    # write before reading it. With `fresh`, a block's first step (FRESH) zeroes its slot instead
+    # of reading: dq_hbm is then written before it is read, and needs no zeros beforehand.
     def key(m):
         e, qh = entry(jnp.clip(m, 0, steps - 1))
         return qh, q_block_ref[e]
@@ -570,26 +590,39 @@ def _backward_kernel(
         src, dst = (hbm, vmem) if read else (vmem, hbm)
         return pltpu.make_async_copy(src, dst, sems.at[0 if read else 1])
 
+    def unread(m):
+        """Whether step m's block starts from zeros rather than from dq_hbm."""
+        return (flags_ref[entry(jnp.clip(m, 0, steps - 1))[0]] & FRESH) != 0 if fresh else False
+
     is_new = (n == 0) | jnp.logical_not(same(n, n - 1))
     next_new = (n + 1 < steps) & jnp.logical_not(same(n + 1, n))
 
     @pl.when(n == 0)
     def _start():
         state[0], state[1] = 0, 0
+
+    @pl.when((n == 0) & jnp.logical_not(unread(n)))
+    def _first_read():
         dq_copy(0, n, read=True).start()
 
     cur = lax.rem(state[0], np.int32(3))
 
-    @pl.when(is_new)
+    @pl.when(is_new & jnp.logical_not(unread(n)))
     def _arrived():
         dq_copy(cur, n, read=True).wait()
+
+    @pl.when(is_new & unread(n))
+    def _zeros():
+        dq_slots[pl.ds(pl.multiple_of(cur * block_q, block_q), block_q), :] = jnp.zeros(
+            (block_q, dq_slots.shape[1]), jnp.float32
+        )
 
     @pl.when(next_new & (n > 0) & same(n + 1, n - 1) & (state[1] == 1))
     def _written_before_read():
         dq_copy(lax.rem(cur + 2, np.int32(3)), n - 1, read=False).wait()
         state[1] = 0
 
-    @pl.when(next_new)
+    @pl.when(next_new & jnp.logical_not(unread(n + 1)))
     def _prefetch():
         dq_copy(lax.rem(cur + 1, np.int32(3)), n + 1, read=True).start()
 
@@ -864,13 +897,17 @@ def backward(
 
         in_specs.append(pl.BlockSpec((None, block_kv, block_q), mask_map))
         inputs.append(jnp.asarray(stored_mask[1]))
-    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     # dq as rows (heads x q_len, D rounded up to the lanes): Mosaic copies only lane-aligned slices
     # between HBM and VMEM, and only 2-D ones whose minor dim is under 128 lanes
     dq_width = -(-head_dim // LANES) * LANES
-    dq = jnp.zeros((num_heads, q_len, head_dim), jnp.float32) if dq is None else dq
-    dq = jnp.pad(dq, ((0, 0), (0, 0), (0, dq_width - head_dim)))
-    inputs.append(dq.reshape(num_heads * q_len, dq_width))
+    # Where every list meets every q block, each block's first step zeroes it: no zeros written
+    # beforehand (128 MiB at 16K tokens, 16 heads, D=128)
+    fresh = dq is None and meets_every_q_block(grid, q_len // block_q)
+    if not fresh:
+        dq = jnp.zeros((num_heads, q_len, head_dim), jnp.float32) if dq is None else dq
+        dq = jnp.pad(dq, ((0, 0), (0, 0), (0, dq_width - head_dim)))
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        inputs.append(dq.reshape(num_heads * q_len, dq_width))
     body = functools.partial(
         _backward_kernel,
         mask=mask,
@@ -887,6 +924,7 @@ def backward(
         patterns=patterns,
         per_head_lists=per_head_lists,
         dk_scale=float(dk_scale),
+        fresh=fresh,
     )
     out_heads = num_heads if per_head_lists else kv_heads
     # summed over a group afterwards: in float32, as the kernel sums within a list
@@ -908,7 +946,7 @@ def backward(
             pltpu.SMEM((2,), jnp.int32),
         ],
     )
-    dk, dv, dq = pl.pallas_call(
+    call = pl.pallas_call(
         body,
         grid_spec=grid_spec,
         out_shape=[
@@ -916,13 +954,15 @@ def backward(
             jax.ShapeDtypeStruct((out_heads,) + v.shape[1:], kv_dtype),
             jax.ShapeDtypeStruct((num_heads * q_len, dq_width), jnp.float32),
         ],
-        input_output_aliases={len(tables) + len(inputs) - 1: 2},
+        input_output_aliases={} if fresh else {len(tables) + len(inputs) - 1: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
         interpret=interpret,
         name="active_backward",
-    )(*tables, *inputs)
+    )
+    call = compat.named_kernel_call(call, "active_backward")
+    dk, dv, dq = call(*tables, *inputs)
     if out_heads != kv_heads:
         dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(axis=1).astype(k.dtype) for g in (dk, dv))
     return dq.reshape(num_heads, q_len, dq_width)[..., :head_dim] * LN2, dk, dv
