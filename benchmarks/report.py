@@ -501,14 +501,18 @@ def _tpu_time_comparison(rows: list) -> list[str]:
         "ids. Where "
         "JAX's forward is slower than tokamax's, the row names the unit its schedule keeps busiest (docs/tpu_time.md): "
         "where that is not the MXU, JAX's kernel spends its bundles on the softmax's elementwise work (VALU) or on "
-        "writing its blocks (store) rather than on matrix multiplies.",
+        "writing its blocks (store) rather than on matrix multiplies. active: the project's own active-block "
+        "kernels (torch_splash's default where they serve the call; docs/tpu.md), each forward with its binding "
+        "unit; blank where a row predates them.",
         "",
         "| chip | mask | L | heads | D | MaxText fwd | MaxText fwd+bwd | planned | planned fwd | planned fwd+bwd "
-        "| planned / MaxText (fwd+bwd) | tokamax fwd | planned / tokamax (fwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| planned / MaxText (fwd+bwd) | tokamax fwd | planned / tokamax (fwd) | active fwd | active fwd+bwd "
+        "| active / tokamax (fwd) | active / planned (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         maxtext, planned, tk = row.get("maxtext", {}), row["planned"], row.get("tokamax")
+        active = row.get("active", {})
 
         def cell(part, key):
             if "error" in part:
@@ -540,10 +544,22 @@ def _tpu_time_comparison(rows: list) -> list[str]:
                 ratio_tk = planned["forward_ms"] / tk["forward_ms"]
                 held = f" (JAX's forward: {planned['binding']['forward']}-bound)" if ratio_tk > 1.0 else ""
                 tk_ratio = f"{ratio_tk:.2f}{held}"
+        active_fwd = cell(active, "forward")
+        if "forward_ms" in active:
+            active_fwd += f", {active['binding']['forward']}"
+        active_tk = (
+            f"{active['forward_ms'] / tk['forward_ms']:.2f}"
+            if tk and "forward_ms" in tk and "forward_ms" in active
+            else ""
+        )
+        active_ratio = (
+            f"{active['step_ms'] / planned['step_ms']:.2f}" if "step_ms" in active and "step_ms" in planned else ""
+        )
         lines.append(
             f"| {row['generation']} | {row['mask']} | {row['L'] // 1024}K | {row['heads']}/{row['kv_heads']} "
             f"| {row['head_dim']} | {cell(maxtext, 'forward')} | {cell(maxtext, 'step')} | {kernels} "
-            f"| {cell(planned, 'forward')} | {cell(planned, 'step')} | {ratio} | {tk_cell} | {tk_ratio} |"
+            f"| {cell(planned, 'forward')} | {cell(planned, 'step')} | {ratio} | {tk_cell} | {tk_ratio} "
+            f"| {active_fwd} | {cell(active, 'step')} | {active_tk} | {active_ratio} |"
         )
     return lines
 
@@ -687,7 +703,9 @@ def _tpu_check(r: dict) -> str:
                      f"{'ok' if f.get('passed') else 'FAILED'} |")  # fmt: skip
     lines += [
         "",
-        "Training calls, bfloat16, forward / forward+backward (a step) in ms. JAX's splash is "
+        'Training calls, bfloat16, forward / forward+backward (a step) in ms. "the plan" is the plan with '
+        "`BlockSizes(forward_kernel=\"splash\")`: JAX's splash kernels at the plan's blocks, called as "
+        "torch_splash calls them (the batch as heads, or a call per element). JAX's splash is "
         "`make_splash_mha` vmapped over the batch, as MaxText runs it, at MaxText's 512 blocks; "
         "\"the plan's blocks\" runs it at this plan's blocks (vmapped: where the batch's accumulators "
         "overran VMEM, it did not compile). MXU: the forward's matmul flops over its time and the chip's "
@@ -695,7 +713,8 @@ def _tpu_check(r: dict) -> str:
         "compiler's schedule without a TPU: the forward kernel, and the step's kernels (without the XLA ops around "
         "them: below); its error is estimate / measured - 1. The active kernels are the plan with "
         '`BlockSizes(forward_kernel="active")`: the project\'s own forward and backward '
-        '(`torch_splash_jax.active_kernels`); "active forward" is the same forward with JAX\'s backward '
+        "(`torch_splash_jax.active_kernels`), torch_splash's default where they serve the call; "
+        '"active forward" is the same forward with JAX\'s backward '
         '(`backward_kernel="splash"`); blank where they do not serve the call.',
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
