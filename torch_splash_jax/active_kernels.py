@@ -260,9 +260,6 @@ def _forward_kernel(
             for c, tile_kind in enumerate(row_kinds):
                 if tile_kind == SKIP:
                     continue
-                # A DIAGONAL tile runs whole: in strips (as the backward runs it) the forward took
-                # longer on the v5e (16K causal 6.77 against 6.74 ms), its 128-row matmuls slower.
-                tile_kind = PARTIAL if tile_kind == DIAGONAL else tile_kind
                 cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
                 s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
                 if soft_cap is not None:
@@ -307,9 +304,9 @@ def _forward_kernel(
         tiles = sub_kinds_ref[t]
         for r in range(block_q // block_q_sub):
             for c in range(chunks):
-                tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND  # DIAGONAL runs as PARTIAL here
+                tile_kind = (tiles >> (2 * (r * chunks + c))) & KIND
                 pl.when(tile_kind == FULL)(functools.partial(tile, r, c, FULL))
-                pl.when((tile_kind == PARTIAL) | (tile_kind == DIAGONAL))(functools.partial(tile, r, c, PARTIAL))
+                pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * chunks], False))
     if not block_q_sub:

@@ -91,11 +91,16 @@ def _classify(spec: Mask, q_lo, q_hi, kv_len_padded: int, kv_len: int, block_kv:
     not consecutive positions is classified by their hull, which can only call it partial where
     it is empty or full: still correct, the kernel masks partial blocks element by element."""
     k0 = np.arange(0, kv_len_padded, block_kv)[None, :]
-    k1 = k0 + block_kv - 1
+    return _kinds_between(spec, q_lo, q_hi, k0, k0 + block_kv - 1, kv_len)
+
+
+def _kinds_between(spec: Mask, q0, q1, k0, k1, kv_len: int) -> np.ndarray:
+    """int32 kinds (0 empty, 1 partial, 2 full) of the blocks of rows q0..q1 and keys k0..k1
+    (inclusive; arrays that broadcast); keys at or past kv_len are hidden."""
     # Padded keys: clamp each block to the real keys for `any`; a block reaching past them is not full.
-    any_, all_ = spec.blocks(q_lo, q_hi, k0, np.minimum(k1, kv_len - 1))
+    any_, all_ = spec.blocks(q0, q1, k0, np.minimum(k1, kv_len - 1))
     any_ = any_ & (k0 < kv_len)
-    all_ = all_ & spec.blocks(q_lo, q_hi, k0, k1)[1] & (k1 < kv_len)
+    all_ = all_ & spec.blocks(q0, q1, k0, k1)[1] & (k1 < kv_len)
     return np.where(all_, 2, np.where(any_, 1, 0)).astype(np.int32)
 
 
@@ -113,8 +118,8 @@ def diagonal_tiles(spec: Mask, kinds: np.ndarray, rows: int, chunk: int, kv_len:
     """Tile kinds (nq tiles, nkv tiles) of `rows` x `chunk` tiles (block_mask_table's) with each
     partial tile that is causal-shaped in strip x strip sub-blocks marked DIAGONAL: square, and
     its sub-blocks (query strip i, key strip j) empty above the diagonal (j > i), full below it
-    and partial on it. The active kernels run such a tile strip by strip, query strip i against
-    key strips 0..i only: 5/8 of the tile's work at 4 strips, where a partial tile computes all."""
+    and partial on it. The active backward runs such a tile strip by strip, key strip j against
+    query strips j.. only: 5/8 of the tile's work at 4 strips, where a partial tile computes all."""
     n = rows // strip
     if rows != chunk or rows % strip or n < 2:
         return kinds
@@ -124,11 +129,7 @@ def diagonal_tiles(spec: Mask, kinds: np.ndarray, rows: int, chunk: int, kv_len:
     offsets = np.arange(n) * strip
     q0 = (at[:, 0] * rows)[:, None, None] + offsets[None, :, None]
     k0 = (at[:, 1] * chunk)[:, None, None] + offsets[None, None, :]
-    q1, k1 = q0 + strip - 1, k0 + strip - 1
-    any_, all_ = spec.blocks(q0, q1, k0, np.minimum(k1, kv_len - 1))
-    any_ = any_ & (k0 < kv_len)
-    all_ = all_ & spec.blocks(q0, q1, k0, k1)[1] & (k1 < kv_len)
-    sub = np.where(all_, 2, np.where(any_, 1, 0))
+    sub = _kinds_between(spec, q0, q0 + strip - 1, k0, k0 + strip - 1, kv_len)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     shape = np.where(j > i, 0, np.where(j < i, 2, 1))
     diagonal = (np.broadcast_to(sub, (len(at), n, n)) == shape).all(axis=(1, 2))

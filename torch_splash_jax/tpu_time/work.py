@@ -194,7 +194,7 @@ def tables_work(
 
 
 def _tile_counts(
-    grid, count: int, has_segment_ids: bool, rows: int, straight: bool = True, strips_run: bool = False
+    grid, count: int, has_segment_ids: bool, rows: int, straight: bool = True
 ) -> tuple[list[int], list[int], float]:
     """Of the block lists' partial blocks (the host's kinds), as the active kernels run them: per
     tile, how many take its unmasked and its masked path when they run a branch a tile (else []);
@@ -206,10 +206,10 @@ def _tile_counts(
     packed = sub[(flags & KIND) == PARTIAL]
     taken = [(packed >> (2 * i)) & KIND for i in range(count)]
     patterns = tile_patterns(grid, has_segment_ids, count) if straight else ()
-    # the backward's DIAGONAL tiles compute (n + 1) / 2n of their area in n strips where they run
-    # straight; the forward's, and any as a branch, all of it
+    # a DIAGONAL tile (the backward's) computes (n + 1) / 2n of its area in n strips where it runs
+    # straight, all of it as a branch
     strips = rows // STRIP
-    share = (strips + 1) / (2 * strips) if patterns and strips_run else 1.0
+    share = (strips + 1) / (2 * strips) if patterns else 1.0
     computed = sum(int(((k != SKIP) & (k != DIAGONAL)).sum()) + share * int((k == DIAGONAL).sum()) for k in taken)
     if patterns:
         return [], [int((packed == p).sum()) for p in patterns], computed
@@ -258,7 +258,7 @@ def active_backward_work(
     block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     rows, chunk = blocks["block_q_sub"] or block_q, blocks["block_kv_compute"]
     count = (block_q // rows) * (block_kv // chunk)
-    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, rows, block_index is None, strips_run=True)
+    tiles, patterns, computed = _tile_counts(grid, count, has_segment_ids, rows, straight=block_index is None)
     area = group * (int((kind == FULL).sum()) * block_q * block_kv + computed * rows * chunk)
     steps = group * int(flags.size)
     columns = int(((flags & FIRST) != 0).sum())
