@@ -491,8 +491,9 @@ def _tpu_time_comparison(rows: list) -> list[str]:
         "Side by side, one device, B=1, bf16: estimated kernel time per call of a training step in ms (MXU: useful "
         "flops over that time at the chip's peak): the forward (with residuals, as a step runs it) and forward + "
         "backward. MaxText: JAX's splash at MaxText's defaults (512 blocks, separate dq and dkv kernels; also "
-        "torch_splash's TPU plan before the search below chose it). planned: torch_splash's TPU plan (blocks: "
-        "forward q x kv, then the fused dkv kernel's, or dkv and dq). tokamax: its forward at the configuration "
+        "torch_splash's TPU plan before the search below chose it). planned: JAX's splash kernels at "
+        "torch_splash's TPU plan's blocks (forward q x kv, then the fused dkv kernel's, or dkv and dq). "
+        "tokamax: its forward at the configuration "
         "its cache measured for the shape, measured time in brackets; where it measured none at that length, at "
         'the configuration it measured for the nearest one ("from 16K"; "from B=32, 4K" where it measured those '
         'heads at B=32 only; "from 16/16 heads, 16K" where it measured them not at all); v5e, for which tokamax '
@@ -561,6 +562,18 @@ def _tpu_time_comparison(rows: list) -> list[str]:
             f"| {cell(planned, 'forward')} | {cell(planned, 'step')} | {ratio} | {tk_cell} | {tk_ratio} "
             f"| {active_fwd} | {cell(active, 'step')} | {active_tk} | {active_ratio} |"
         )
+    ranges = {}
+    for row in rows:
+        active, tk = row.get("active", {}), row.get("tokamax") or {}
+        if "forward_ms" in active and "forward_ms" in tk:
+            ranges.setdefault(row["generation"], []).append(active["forward_ms"] / tk["forward_ms"])
+    if ranges:
+        lines += [
+            "",
+            "The active forward against tokamax's, over the rows tokamax serves: "
+            + "; ".join(f"{g} {min(v):.2f}x to {max(v):.2f}x" for g, v in ranges.items())
+            + ".",
+        ]
     return lines
 
 
@@ -654,6 +667,7 @@ def _tpu_time(r: dict) -> str:
                 f"| {estimate(e) / e['measured_ms'] - 1:+.0%} |"
             )
     lines += _tpu_time_comparison(r["comparison"])
+    lines += [line for note in r.get("notes", ()) for line in ("", note)]
     if r.get("search"):
         lines += _tpu_time_search(r["search"])
     return "\n".join(lines + tables)
@@ -877,6 +891,7 @@ def _active_kernels(r: dict) -> str:
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
         lines.append("")
+    lines += [line for note in r.get("notes", ()) for line in (note, "")]
     return "\n".join(lines[:-1])
 
 
