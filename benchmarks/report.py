@@ -511,6 +511,7 @@ def _tpu_time_comparison(rows: list) -> list[str]:
         "| active / tokamax (fwd) | active / planned (fwd+bwd) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ranges = {}  # generation: the active forward over tokamax's, each row it serves
     for row in rows:
         maxtext, planned, tk = row.get("maxtext", {}), row["planned"], row.get("tokamax")
         active = row.get("active", {})
@@ -548,11 +549,10 @@ def _tpu_time_comparison(rows: list) -> list[str]:
         active_fwd = cell(active, "forward")
         if "forward_ms" in active:
             active_fwd += f", {active['binding']['forward']}"
-        active_tk = (
-            f"{active['forward_ms'] / tk['forward_ms']:.2f}"
-            if tk and "forward_ms" in tk and "forward_ms" in active
-            else ""
-        )
+        active_tk = ""
+        if tk and "forward_ms" in tk and "forward_ms" in active:
+            ranges.setdefault(row["generation"], []).append(active["forward_ms"] / tk["forward_ms"])
+            active_tk = f"{ranges[row['generation']][-1]:.2f}"
         active_ratio = (
             f"{active['step_ms'] / planned['step_ms']:.2f}" if "step_ms" in active and "step_ms" in planned else ""
         )
@@ -562,11 +562,6 @@ def _tpu_time_comparison(rows: list) -> list[str]:
             f"| {cell(planned, 'forward')} | {cell(planned, 'step')} | {ratio} | {tk_cell} | {tk_ratio} "
             f"| {active_fwd} | {cell(active, 'step')} | {active_tk} | {active_ratio} |"
         )
-    ranges = {}
-    for row in rows:
-        active, tk = row.get("active", {}), row.get("tokamax") or {}
-        if "forward_ms" in active and "forward_ms" in tk:
-            ranges.setdefault(row["generation"], []).append(active["forward_ms"] / tk["forward_ms"])
     if ranges:
         lines += [
             "",
