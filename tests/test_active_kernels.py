@@ -4,6 +4,8 @@ logsumexp) and the backward against float64 gradients, their tables and blocks, 
 through `torch_splash.attention` against SDPA with gradients (either kernel beside JAX's other).
 Their Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -217,6 +219,59 @@ def test_causal_shaped_tiles_run_in_strips_and_match_float64_gradients(case, str
     for name, got, expected in zip(("dq", "dk", "dv"), found, want):
         error = np.abs(np.asarray(got) - expected).max() / np.abs(expected).max()
         assert error <= 1e-5, (name, error)
+
+
+TPU_INTERPRET_CASES = [
+    # (heads' masks, query heads, kv heads, dtype, head_dim): the backward's dq kept in HBM between
+    # steps and finished at each q block's last one, in the dtypes and list shapes that change it
+    ("causal", 2, 2, "bfloat16", 128),  # one list both heads walk; dq finished in bf16
+    ("causal", 4, 2, "float32", 64),  # GQA: each entry taken once a query head; dq's lanes padded
+    ("per-head", 4, 2, "float32", 128),  # a list a head, the shorter ones padded
+    ("first rows empty", 2, 2, "float32", 128),  # a q block no list meets: dq read from zeros
+]
+
+
+@pytest.mark.parametrize("case", TPU_INTERPRET_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-{c[3]}-{c[4]}")
+def test_the_backward_s_copies_and_semaphores_hold_in_tpu_interpret_mode(case):
+    """Pallas's TPU interpret mode runs each DMA only when it is waited for, fills memory no one
+    wrote with NaN and fails on races: a write that is never waited for, or a read of a dq block
+    before its write lands, changes the gradients there, where plain interpret mode (every copy
+    at once) hides it, as it hid a finished dq block written twice. The gradients must be the
+    plain interpret mode's, bit for bit: the same arithmetic in the same order."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    kind, hq, hkv, dtype, d = case
+    length, (bq, bkv, chunk, rows) = 512, (128, 256, 128, 128)
+    rng = np.random.default_rng(3)
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal((h, length, d)), dtype) for h in (hq, hkv, hkv, hq))
+    lse = jnp.asarray(rng.standard_normal((hq, length)) + 8, jnp.float32)
+    di = jnp.asarray(rng.standard_normal((hq, length)), jnp.float32)
+    if kind == "causal":
+        mask, stored = sm.CausalMask(0), None
+        tile_kinds = tables.block_mask_table(mask, length, length, length, rows, chunk)
+        kinds = tables.block_mask_table(mask, length, length, length, bq, bkv)[None]
+        grid = active_kernels.column_grid(kinds, tile_kinds[None])
+    else:
+        if kind == "per-head":
+            heads = _stored_heads("per-head", length, length, 3)
+        else:
+            array = np.tril(np.ones((length, length), bool))
+            array[:bq] = False
+            heads = (DenseMask(array),)
+        mask = None
+        kinds, block_ids, blocks = tables.stored_blocks(heads, length, length, length, length, bq, bkv)
+        grid = active_kernels.column_grid(kinds, active_kernels.stored_tiles(kinds, block_ids, blocks, rows, chunk))
+        stored = (active_kernels.block_index(grid, block_ids), blocks.transpose(0, 2, 1))
+    assert active_kernels.meets_every_q_block(grid, length // bq) == (kind != "first rows empty")
+    run = functools.partial(
+        active_kernels.backward, q, k, v, d_out, lse, di, grid, mask=mask, kv_len=length, block_q=bq,
+        block_kv=bkv, block_kv_compute=chunk, block_q_sub=rows, stored_mask=stored, dk_scale=0.5,
+    )  # fmt: skip
+    plain = run(interpret=True)
+    simulated = run(interpret=pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True))
+    for name, got, expected in zip(("dq", "dk", "dv"), simulated, plain):
+        assert np.isfinite(np.asarray(expected, np.float32)).all(), name
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32), err_msg=name)
 
 
 def test_only_causal_shaped_square_tiles_are_diagonal():

@@ -248,7 +248,8 @@ def active_backward_work(
     entry taken once per query head of the group; or one list a query head, each taken once, the
     units the kernel calls). Five matmuls a logit (q k^T, d_out v^T, p^T d_out, ds^T q, ds k); its
     reads count each step's q and d_out blocks, each kv block's k and v once, dq's float32 block
-    read and written back every step (dq accumulates in HBM) and, for a mask read from stored
+    read and written back every step (dq accumulates in HBM; a bound: a q block's first step reads
+    none, its last writes q's dtype) and, for a mask read from stored
     blocks (block_index: each entry's), each block fetched. Segment ids refine the kinds on the
     device: this counts the host's kinds."""
     from ..active_kernels import FIRST, FULL, KIND, PARTIAL
