@@ -808,13 +808,13 @@ def backward_vmem_bytes(
     stored_mask: bool = False,
 ) -> int:
     """The scoped VMEM the backward asks for: its double-buffered blocks (a stored mask's block
-    too), its float32 dk and dv sums and three dq slots, and a tile's float32 logits,
+    too), its float32 dk and dv sums, three dq slots and a finished dq block, and a tile's float32 logits,
     probabilities and their gradients, twice over for the compiler's temporaries, within 16 to 64
     MiB."""
     blocks = 2 * itemsize * (block_q * (head_dim + head_dim_v) + block_kv * (head_dim + head_dim_v))
     blocks += 2 * MASK_BYTES * block_q * block_kv if stored_mask else 0
     blocks += 2 * 2 * 4 * 8 * block_q + 2 * 4 * (head_dim + head_dim_v) * block_kv  # lse, di; dk, dv outputs
-    scratch = 4 * block_kv * (head_dim + head_dim_v) + 3 * 4 * block_q * head_dim
+    scratch = 4 * block_kv * (head_dim + head_dim_v) + (3 * 4 + itemsize) * block_q * head_dim
     tile = 5 * 4 * block_q_sub * block_kv_compute
     return int(min(64 << 20, max(16 << 20, 2 * (blocks + scratch + tile))))
 
