@@ -1,7 +1,9 @@
 """The active-block kernels (`torch_splash_jax.active_kernels`, `BlockSizes(forward_kernel="active")`),
 in Pallas interpret mode on the CPU: the forward against a float64 softmax reference (output and
 logsumexp) and the backward against float64 gradients, their tables and blocks, and whole calls
-through `torch_splash.attention` against SDPA with gradients (either kernel beside JAX's other).
+through `torch_splash.attention` against SDPA with gradients (either kernel beside JAX's other);
+the backward's copies between HBM and VMEM also in Pallas's simulated TPU (`pltpu.InterpretParams`),
+which plain interpret mode does not check.
 Their Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
 
 import functools
@@ -610,6 +612,27 @@ def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
     chunked = work(sm.ChunkedCausalMask(3000), 32768)
     assert chunked.patterns == () and len(chunked.tiles) == 32
     assert chunked.flops == 2.0 * 8 * sum(chunked.tiles) * 512 * 512 * 256
+
+
+def test_the_active_kernels_are_the_default_where_their_lists_surely_fit_smem():
+    """`BlockSizes` left None: the active kernels for an unsharded call whose lists surely fit SMEM
+    (causal to 641,024 tokens, where the test below builds them), JAX's kernels past that, for a
+    pass whose JAX blocks the caller set, and for sharded calls."""
+
+    def kernels(length: int, **options):
+        plan = torch_splash_jax.plan(
+            q_len=length, num_q_heads=16, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0), platform="tpu",
+            block_sizes=torch_splash_jax.BlockSizes(**options.pop("blocks", {})), **options,
+        )  # fmt: skip
+        return plan.forward_kernel, plan.backward_kernel
+
+    assert kernels(641_024) == ("active", "active")
+    assert kernels(641_025) == ("splash", "splash")
+    assert kernels(4096, blocks=dict(block_q=1024)) == ("splash", "active")
+    assert kernels(4096, blocks=dict(block_q_dkv=512)) == ("active", "splash")
+    assert kernels(4096, blocks=dict(use_fused_bwd_kernel=False)) == ("active", "splash")
+    assert kernels(4096, blocks=dict(forward_kernel="splash")) == ("splash", "splash")
+    assert kernels(4096, q_shards=2) == ("splash", "splash")
 
 
 def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():

@@ -384,6 +384,14 @@ def active_forward_blocks(
     return dict(block_q=block_q, block_kv=block_kv, block_kv_compute=chunk, block_q_sub=rows if split else None)
 
 
+def active_backward_rows(stored: bool) -> tuple[int, ...]:
+    """The q block heights the active backward takes, the first whose list fits SMEM: 1024 rows,
+    then 2048 where a structured mask's list of 1024-row blocks outgrows it (causal past 452,608
+    tokens: slower on the chip, but served as far as the forward's list). A stored mask's blocks
+    are at most 1024 a side either way."""
+    return (ACTIVE_BACKWARD_BLOCK_Q,) if stored else (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q)
+
+
 def active_backward_blocks(
     q_len_padded: int,
     kv_len_padded: int,

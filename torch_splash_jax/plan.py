@@ -15,10 +15,9 @@ import numpy as np
 
 from . import tables
 from .block_planning import (
-    ACTIVE_BACKWARD_BLOCK_Q,
-    ACTIVE_BLOCK_Q,
     PLATFORMS,
     active_backward_blocks,
+    active_backward_rows,
     active_forward_blocks,
     plan_blocks,
 )
@@ -259,9 +258,7 @@ def _active_lists_fit(mask, q_pad: int, kv_pad: int, kv_len: int, head_dim: int,
     shared = shared_structured_mask(mask)
     stored = shared is None
     if backward:
-        blocks = active_backward_blocks(
-            q_pad, kv_pad, head_dim, ACTIVE_BACKWARD_BLOCK_Q if stored else ACTIVE_BLOCK_Q, stored
-        )
+        blocks = active_backward_blocks(q_pad, kv_pad, head_dim, active_backward_rows(stored)[-1], stored)
     else:
         blocks = active_forward_blocks(q_pad, kv_pad, head_dim, stored=stored)
     if stored:

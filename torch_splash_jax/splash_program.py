@@ -35,7 +35,7 @@ import numpy as np
 
 from . import active_kernels, compat, policy
 from . import tables as _tables
-from .block_planning import ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q, active_backward_blocks, active_forward_blocks
+from .block_planning import active_backward_blocks, active_backward_rows, active_forward_blocks
 from .errors import SplashConstraintError
 from .kernel_limits import active_table_entries, compute_dtype
 from .kernel_tables import KernelTables
@@ -460,12 +460,9 @@ class _ActiveBackward(_ActiveForward):
     def __init__(self, plan: Plan, made: dict | None = None):
         self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
-        # 1024-row q blocks; 2048 where their list outgrows SMEM (causal past 452,608 tokens): slower
-        # on the chip, but served as far as the forward's list. A stored mask's blocks are at most
-        # 1024 a side either way.
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
-        for most_rows in (ACTIVE_BACKWARD_BLOCK_Q,) if stored else (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q):
+        for most_rows in active_backward_rows(stored):
             self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
             if self.entries <= active_table_entries(self.stored is not None):
                 break
