@@ -38,6 +38,7 @@ KINDS = ["forward", "backward", "infer"]
 
 
 ACTIVE = {"forward_kernel": "active"}
+SPLASH = {"forward_kernel": "splash"}  # JAX's kernels, where a case is about them
 
 
 def _case(name, hq, hkv, q_len, kv_len, d, dtype, mask, **options):
@@ -99,11 +100,12 @@ DEFAULT = [
     ),
     # torch_splash.flex_attention's document-causal BlockMask over packed sequences: stored blocks
     _case("flex-documents-32k", 16, 8, 32768, 32768, 128, "bfloat16", "documents"),
-    # the fused backward planned at head_dim 256: its compute block halved to fit VMEM
-    _case("fused-d256-4k", 4, 2, 4096, 4096, 256, "bfloat16", "CausalMask(0)"),
+    # JAX's fused backward planned at head_dim 256 (the active kernels, the default here, pinned
+    # off): its compute block halved to fit VMEM
+    _case("fused-d256-4k", 4, 2, 4096, 4096, 256, "bfloat16", "CausalMask(0)", blocks=SPLASH),
     # and at 16K, B=8, traded to 512 x 2048 to keep its dq buffer to 8 q's (16 would be 4 GiB),
     # compute block halved again
-    _case("fused-d256-16k", 4, 2, 16384, 16384, 256, "bfloat16", "CausalMask(0)", batch=8),
+    _case("fused-d256-16k", 4, 2, 16384, 16384, 256, "bfloat16", "CausalMask(0)", batch=8, blocks=SPLASH),
     _case("fused-backward", 4, 2, 1024, 1024, 128, "float32", "CausalMask(0)", blocks=dict(use_fused_bwd_kernel=True)),
     _case(
         "explicit-blocks-1024",
@@ -141,8 +143,11 @@ DEFAULT = [
     ),
     _case("head-dim-512-planned", 2, 1, 1024, 1024, 512, "float32", "CausalMask(0)"),
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
-    # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1.
-    _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
+    # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1,
+    # through JAX's kernels (a call sharded over heads takes them)
+    _case(
+        "spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True, blocks=SPLASH
+    ),
     # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
     # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap
     # and sinks in float32 off the 128 grid at head_dim 64 (dq's buffer padded to the lanes); MQA at
