@@ -237,8 +237,8 @@ def _kernels(
     else the active-block kernels wherever they serve the call, JAX's splash kernels where they do
     not: sharded and ring calls, lists that may outgrow SMEM (`_active_lists_fit`), and a pass
     whose JAX blocks the caller set. The active kernels are the faster on every call measured on
-    the v5e and, for the training step, on every call estimated for v5p, v6e and v7x
-    (docs/benchmarks.md), so the choice does not depend on the generation."""
+    the v5e and, for the training step, faster or level on every call estimated for v5p, v6e and
+    v7x but one mask per head on v5p (docs/tpu.md); the planner does not know the generation."""
     forward = block_sizes.forward_kernel
     backward = block_sizes.backward_kernel or forward
 
