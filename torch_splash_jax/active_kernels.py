@@ -592,17 +592,19 @@ def _backward_kernel(
         (ha, qa), (hb, qb) = key(a), key(b)
         return (ha == hb) & (qa == qb)
 
-    def dq_copy(slot, m, read: bool):
+    def dq_rows(m):
+        """Step m's q block: its rows of dq_hbm and dq_done (query heads x q_len)."""
         qh, qb = key(m)
-        hbm = dq_hbm.at[pl.ds(pl.multiple_of(qh * q_len + qb * block_q, SUBLANES), block_q), :]
+        return pl.ds(pl.multiple_of(qh * q_len + qb * block_q, SUBLANES), block_q)
+
+    def dq_copy(slot, m, read: bool):
+        hbm = dq_hbm.at[dq_rows(m), :]
         vmem = dq_slots.at[pl.ds(pl.multiple_of(slot * block_q, block_q), block_q), :]
         src, dst = (hbm, vmem) if read else (vmem, hbm)
         return pltpu.make_async_copy(src, dst, sems.at[0 if read else 1])
 
     def done_copy(m):
-        qh, qb = key(m)
-        rows = pl.multiple_of(qh * q_len + qb * block_q, SUBLANES)
-        return pltpu.make_async_copy(dq_stage, dq_done.at[pl.ds(rows, block_q), :], sems.at[1])
+        return pltpu.make_async_copy(dq_stage, dq_done.at[dq_rows(m), :], sems.at[1])
 
     def flagged(m, flag: int):
         return (flags_ref[entry(jnp.clip(m, 0, steps - 1))[0]] & flag) != 0
