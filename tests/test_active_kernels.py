@@ -236,9 +236,9 @@ TPU_INTERPRET_CASES = [
 @pytest.mark.parametrize("case", TPU_INTERPRET_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-{c[3]}-{c[4]}")
 def test_the_backward_s_copies_and_semaphores_hold_in_tpu_interpret_mode(case):
     """Pallas's TPU interpret mode runs each DMA only when it is waited for, fills memory no one
-    wrote with NaN and fails on races: a write that is never waited for, or a read of a dq block
-    before its write lands, changes the gradients there, where plain interpret mode (every copy
-    at once) hides it, as it hid a finished dq block written twice. The gradients must be the
+    wrote with NaN and looks for races (JAX 0.12 raises on one): a write that is never waited
+    for, or a read of a dq block before its write lands, changes the gradients there, where plain
+    interpret mode (every copy at once) hides it, as it hid a finished dq block written twice. The gradients must be the
     plain interpret mode's, bit for bit: the same arithmetic in the same order."""
     from jax.experimental.pallas import tpu as pltpu
 
