@@ -978,7 +978,7 @@ def backward(
     out_heads = num_heads if per_head_lists else kv_heads
     # summed over a group afterwards: in float32, as the kernel sums within a list
     kv_dtype = jnp.float32 if per_head_lists and group > 1 else k.dtype
-    dq_rows = (num_heads * q_len, dq_width)
+    dq_shape = (num_heads * q_len, dq_width)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(tables),
         grid=(out_heads, steps),
@@ -1004,9 +1004,9 @@ def backward(
         out_shape=[
             jax.ShapeDtypeStruct((out_heads,) + k.shape[1:], kv_dtype),
             jax.ShapeDtypeStruct((out_heads,) + v.shape[1:], kv_dtype),
-            jax.ShapeDtypeStruct(dq_rows, jnp.float32),
+            jax.ShapeDtypeStruct(dq_shape, jnp.float32),
         ]
-        + [jax.ShapeDtypeStruct(dq_rows, q.dtype)] * finish,
+        + [jax.ShapeDtypeStruct(dq_shape, q.dtype)] * finish,
         input_output_aliases={} if fresh else {len(tables) + len(inputs) - 1: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
