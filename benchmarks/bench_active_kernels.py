@@ -2,14 +2,17 @@
 the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `tpu_check`'s table
 (B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x, each a training
 step's program (forward, then backward) of the plan, and of the plan with
-`BlockSizes(forward_kernel="active")` (the active forward and backward). Every figure is an estimate
+`BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
+generation (`Plan.generation`); on v6e and v7x also the active kernels with their forward's rows
+summed in the MXU ("mxu sums", `Plan.row_sums`: the choice `block_planning.SUMS_ON_MXU` would make
+for them, estimated, not measured). Every figure is an estimate
 (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
 (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
 the device.
 
-    ./dev.sh bench-active-kernels            # 10 calls x 4 generations x 2 programs: about 30 minutes on 2 cores
-    ./dev.sh bench-active-kernels --quick    # one call on v5e
+    ./dev.sh bench-active-kernels            # 10 calls, 4 generations, 2 or 3 programs: about 20 minutes on 2 cores
+    ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
 (libtpu 0.0.52 knows v7x).
@@ -27,7 +30,7 @@ import report  # benchmarks/report.py: results files and their tables
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
-QUICK_GENERATIONS = ("v5e",)
+QUICK_GENERATIONS = ("v6e",)
 QUICK_CALLS = ("B=4 causal 1K 16/16 D128",)
 
 
@@ -58,15 +61,27 @@ def _kernels(kernels, generation: str) -> dict:
     )
 
 
-def _estimate(call, generation: str, active: bool) -> dict:
-    """The step's forward kernel and backward kernels, estimated, of the call's plan or of that plan
-    with the active-block kernels."""
+VARIANTS = ("plan", "active", "mxu sums")
+MXU_SUMS_GENERATIONS = ("v6e", "v7x")  # 256-wide MXUs: at head_dim_v 128, p @ v leaves half their columns idle
+
+
+def _variants(generation: str, head_dim_v: int) -> tuple:
+    return VARIANTS if generation in MXU_SUMS_GENERATIONS and head_dim_v == 128 else VARIANTS[:2]
+
+
+def _estimate(call, generation: str, variant: str) -> dict:
+    """The step's forward kernel and backward kernels, estimated, of the call's plan for
+    `generation` or of that plan with the active-block kernels (their rows summed in the MXU)."""
+    import dataclasses
+
     from torch_splash_jax import tpu_time
     from torch_splash_jax.plan import with_kernels
 
-    plan = call.plan("tpu")
-    if active:
+    plan = dataclasses.replace(call, generation=generation).plan("tpu")
+    if variant != "plan":
         plan = with_kernels(plan, "active")
+    if variant == "mxu sums":
+        plan = dataclasses.replace(plan, row_sums="mxu")
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
@@ -82,14 +97,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     options = parser.parse_args()
     generations = QUICK_GENERATIONS if options.quick else GENERATIONS
-    jobs = [(call, g, active) for call in _calls(options.quick) for g in generations for active in (False, True)]
+    jobs = [(call, g, v) for call in _calls(options.quick) for g in generations for v in _variants(g, call.dv)]
     with concurrent.futures.ThreadPoolExecutor(options.workers) as pool:
         found = list(pool.map(lambda job: _estimate(*job), jobs))
     rows = {}
-    for (call, generation, active), result in zip(jobs, found):
+    for (call, generation, variant), result in zip(jobs, found):
         row = rows.setdefault((call.name, generation), dict(name=call.name, generation=generation))
-        row["active" if active else "plan"] = result
-        print(json.dumps(dict(name=call.name, generation=generation, active=active, **result)), flush=True)
+        row[variant] = result
+        print(json.dumps(dict(name=call.name, generation=generation, variant=variant, **result)), flush=True)
     from torch_splash_jax import tpu_time
 
     results = dict(rows=list(rows.values()), libtpu=tpu_time.ESTIMATOR_LIBTPU)

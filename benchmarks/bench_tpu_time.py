@@ -111,6 +111,7 @@ def _comparison_row(case: tuple, names=tuple(COLUMNS)) -> dict:
             has_segment_ids=segment_ids,
             platform="tpu",
             block_sizes=tsj.BlockSizes(**COLUMNS[name]),
+            generation=generation,
         )
         row[name] = dict(blocks=plan.block_sizes() if plan.forward_kernel == "splash" else None)
         try:

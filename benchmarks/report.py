@@ -886,8 +886,38 @@ def _active_kernels(r: dict) -> str:
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
         lines.append("")
+    lines += _sums_on_mxu(r, rows)
     lines += [line for note in r.get("notes", ()) for line in (note, "")]
     return "\n".join(lines[:-1])
+
+
+def _sums_on_mxu(r: dict, rows: dict) -> list[str]:
+    """The active forward with its rows summed on the vector unit (the default) against in the MXU
+    (`Plan.row_sums="mxu"`), where estimated."""
+    generations = sorted({g for (_, g), row in rows.items() if "mxu sums" in row}, key=["v6e", "v7x"].index)
+    if not generations:
+        return []
+    lines = [
+        "The active forward's row sums (`Plan.row_sums`), estimated ms: on the vector unit (the default) / in "
+        "the MXU (their ratio; the step's ratio). Not chosen for any generation (`block_planning.SUMS_ON_MXU`: "
+        "on the v5e this change cost more than the estimate found).",
+        "",
+        "| call | " + " | ".join(generations) + " |",
+        "|---|" + "---|" * len(generations),
+    ]
+    for name in dict.fromkeys(row["name"] for row in r["rows"]):
+        cells = []
+        for generation in generations:
+            row = rows.get((name, generation), {})
+            vector, mxu = row.get("active", {}), row.get("mxu sums", {})
+            if "forward" not in vector or "forward" not in mxu:
+                cells.append("")
+                continue
+            step = [sum(x[p]["seconds"] for p in ("forward", "backward")) for x in (vector, mxu)]
+            v, m = vector["forward"]["seconds"], mxu["forward"]["seconds"]
+            cells.append(f"{v * 1e3:.2f} / {m * 1e3:.2f} ({m / v:.2f}x; {step[1] / step[0]:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 # name: (title, what it measures, render); in the order docs/benchmarks.md shows them

@@ -6,6 +6,7 @@ the backward's copies between HBM and VMEM also in Pallas's simulated TPU (`pltp
 which plain interpret mode does not check.
 Their Mosaic programs compile for v5e, v6e and v7x in tests/test_tpu_compile.py ("active-*")."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -82,11 +83,15 @@ def _allowed_and_ids(mask, lq: int, lkv: int, kv_len: int, options: dict, rng):
     return allowed, (jnp.asarray(q_ids), jnp.asarray(kv_ids))
 
 
-@pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
+@pytest.mark.parametrize(
+    "straight,sums_on_mxu", [(True, False), (False, False), (True, True)], ids=["straight", "branches", "mxu-sums"]
+)
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
-def test_the_active_forward_matches_a_float64_softmax(case, straight):
+def test_the_active_forward_matches_a_float64_softmax(case, straight, sums_on_mxu):
     """float32 inputs: the kernel accumulates in float32 from float32 logits, so output and logsumexp
-    agree with float64 to a few float32 roundings (measured about 5e-7); 1e-5 leaves room."""
+    agree with float64 to a few float32 roundings (measured about 5e-7); 1e-5 leaves room. The
+    same with the rows' sums in the MXU (`with_ones`; at any Dv here, where the planner takes it
+    at Dv 128 on v6e and v7x only)."""
     mask, hq, hkv, lq, lkv, kv_len, d, dv, (bq, bkv, chunk, rows), options = case
     rng = np.random.default_rng(0)
     q = rng.standard_normal((hq, lq, d)).astype(np.float32)
@@ -113,6 +118,7 @@ def test_the_active_forward_matches_a_float64_softmax(case, straight):
         segment_ids=ids,
         sinks=None if sinks is None else jnp.asarray(sinks * active_kernels.LOG2E),
         straight_patterns=straight,
+        sums_on_mxu=sums_on_mxu,
         interpret=True,
     )
     want_out, want_lse = _float64_attention(
@@ -508,6 +514,33 @@ def test_bfloat16_through_the_active_forward_is_as_close_to_float64_as_jax_s_ker
     assert errors["active"] <= errors["splash"] + 2**-8, errors
 
 
+def test_bfloat16_with_the_rows_sums_in_the_mxu_is_as_close_to_float64():
+    """`Plan.row_sums="mxu"` sums each row's probabilities in the MXU (as rounded to bfloat16, the
+    weights p @ v takes) where "vector" sums them on the vector unit in float32: on the same
+    bfloat16 inputs, both as close to float64 within a quarter of a bfloat16 rounding (2**-10),
+    the logsumexp too (measured: output 2.2e-3 of its largest against 2.5e-3, logsumexp 3.1e-3
+    against 2.8e-3)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 1024, 128)), jnp.bfloat16) for _ in range(3))
+    x64 = [np.asarray(x.astype(jnp.float32), np.float64)[0] for x in (q, k, v)]
+    allowed = np.broadcast_to(sm.CausalMask(0).dense(1024, 1024), (4, 1024, 1024))
+    want_out, want_lse = _float64_attention(*x64, allowed, 128**-0.5)
+    errors = {}
+    plan = torch_splash_jax.plan(q_len=1024, num_q_heads=4, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0))
+    assert (plan.forward_kernel, plan.row_sums) == ("active", "vector")
+    for row_sums in ("vector", "mxu"):
+        program = torch_splash_jax.program(dataclasses.replace(plan, row_sums=row_sums))
+        out, lse = program.forward(*program.arguments("forward", tables=program.tables(), q=q, k=k, v=v))
+        out = np.asarray(out.astype(jnp.float32), np.float64)[0]
+        errors[row_sums] = (
+            np.abs(out - want_out).max() / np.abs(want_out).max(),
+            np.abs(np.asarray(lse, np.float64)[0] - want_lse).max(),
+        )
+    assert errors["mxu"] != errors["vector"], "the same program ran twice"
+    assert errors["mxu"][0] <= errors["vector"][0] + 2**-10, errors
+    assert errors["mxu"][1] <= errors["vector"][1] + 2**-10, errors
+
+
 def _holes(length: int, seed: int) -> np.ndarray:
     """Causal with random holes, and rows that see no key: a tensor mask with every block kind."""
     rng = np.random.default_rng(seed)
@@ -675,3 +708,16 @@ def test_partial_blocks_run_straight_line_while_their_patterns_need_no_more_code
     assert sum(k != active_kernels.SKIP for k in active_kernels._unpack(diagonal, 16)) == 10
     assert patterns(sm.ChunkedCausalMask(3000), 32768) == ()
     assert len(patterns(sm.CausalMask(0), 16384, segment_ids=True)) == 2
+
+
+def test_the_tooling_s_generation_reaches_the_plan():
+    """`kernel_time(generation=...)` and the fit check plan within `planned_for_tpu(generation)`:
+    the plans made there are for that generation, and outside it for none."""
+    from torch_splash import _checks, _planning
+    from torch_splash.fit import planned_for_tpu
+
+    q = torch.empty(1, 4, 256, 128, device="meta", dtype=torch.bfloat16)
+    with planned_for_tpu("v7x"):
+        call = _checks.check_call(q, q, q, "causal", None, None, None, None)
+        assert _planning.splash_plan(call, None, "tpu", None).generation == "v7x"
+    assert _planning.splash_plan(call, None, "tpu", None).generation is None

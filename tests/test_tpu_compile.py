@@ -189,6 +189,20 @@ DEFAULT = [
         blocks=ACTIVE,
     ),
     _case("active-dense-f32-300", 2, 2, 300, 300, 64, "float32", "dense", segment_ids=True, blocks=ACTIVE),
+    # planned for the generation it compiles for (Plan.generation), its forward's rows summed in
+    # the MXU (Plan.row_sums="mxu", which block_planning.SUMS_ON_MXU would choose per generation)
+    _case(
+        "active-mxu-sums-planned-for-each-generation",
+        8,
+        8,
+        4096,
+        4096,
+        128,
+        "bfloat16",
+        "CausalMask(0)",
+        planned_for_each=True,
+        row_sums="mxu",
+    ),
 ]
 
 # v6e differs from v5e in VMEM and MXU: the default set compiles these for it too (the head dims,
@@ -210,6 +224,7 @@ ALSO_V6E = {
     "active-documents-8k",
     "active-per-head-d64-bf16-1024",
     "active-dense-f32-300",
+    "active-mxu-sums-planned-for-each-generation",
 }
 # The infer program is the forward's kernel without the logsumexp output: compiled for those too,
 # and for every case under -m slow.
@@ -332,6 +347,13 @@ def _assert_compiled(results, case, kind, generation):
 @pytest.mark.parametrize("case,generation,kind", COMPILED, ids=COMPILED_IDS)
 def test_program_compiles_for_tpu(default_results, case, kind, generation):
     _assert_compiled(default_results, case, kind, generation)
+
+
+@pytest.mark.xla
+def test_a_case_planned_for_each_generation_is_planned_for_the_one_it_compiles_for(default_results):
+    for generation in GENERATIONS:
+        result = default_results[("active-mxu-sums-planned-for-each-generation", "forward", generation)]
+        assert result.get("planned_for") == generation, result
 
 
 @pytest.mark.xla

@@ -16,6 +16,7 @@ torch_xla. Prints one JSON line per result.
                             for the 4 chips of v5e:2x2 with its sharding.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ def program_args(plan, kind: str, tables=()) -> tuple:
     return tuple(args)
 
 
-def case_plan(case: dict):
+def case_plan(case: dict, generation: str | None = None):
     import numpy as np
 
     import torch_splash_jax
@@ -85,9 +86,10 @@ def case_plan(case: dict):
     if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
         return torch_splash_jax.decode.decode_plan(**fields)
     blocks = case.get("blocks")
-    return torch_splash_jax.plan(
-        **fields, block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks)
+    plan = torch_splash_jax.plan(
+        **fields, block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks), generation=generation
     )
+    return dataclasses.replace(plan, row_sums=case["row_sums"]) if "row_sums" in case else plan
 
 
 def documents_mask(length: int, block: int = 128):
@@ -194,10 +196,21 @@ def _blocks(plan) -> dict:
 
 
 def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> None:
+    """Each of the case's programs compiled for each generation; a case with `planned_for_each`
+    is planned for each generation it compiles for (`Plan.generation`), the others for none."""
+    generations = case.get("generations", generations)  # a case may name its own
+    if case.get("planned_for_each"):
+        for generation in generations:
+            _compile_plan(case, [generation], torchtpu, generation)
+    else:
+        _compile_plan(case, generations, torchtpu, None)
+
+
+def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_for: str | None) -> None:
     import torch_splash_jax
 
     try:
-        plan = case_plan(case)
+        plan = case_plan(case, planned_for)
     except Exception as exc:  # a refusal before any JAX work (the planner's own rules)
         _emit(case=case["name"], kind="plan", generation=None, error=_error(exc))
         return
@@ -213,7 +226,7 @@ def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> 
             _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
             continue
         lowered = time.perf_counter() - start
-        for generation in case.get("generations", generations):  # a case may name its own
+        for generation in generations:
             start = time.perf_counter()
             try:
                 memory = compile_module(module, generation)
@@ -228,6 +241,7 @@ def compile_case(case: dict, generations: list[str], torchtpu: bool = False) -> 
                     mosaic_calls=mosaic_calls,
                     blocks=_blocks(plan),
                     backward_kernel=getattr(plan, "backward_kernel", None),
+                    planned_for=getattr(plan, "generation", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

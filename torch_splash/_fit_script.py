@@ -101,9 +101,9 @@ def _stopping_at_boundary(step: int, calls: list, on_boundary, taken: list):
             setattr(owner, name, originals[name])
 
 
-def run_to_step(script: str, script_args: list[str], step: int = 1) -> Taken:
+def run_to_step(script: str, script_args: list[str], step: int = 1, generation: str | None = None) -> Taken:
     """Run `script` to the boundary of its `step`-th step; that step (unexecuted, its kernels
-    planned for TPU) and the attention calls it makes."""
+    planned for TPU, for `generation` where given) and the attention calls it makes."""
     import torch_xla  # noqa: F401
 
     if step < 1:
@@ -118,10 +118,10 @@ def run_to_step(script: str, script_args: list[str], step: int = 1) -> Taken:
                 watch.restart()
             elif steps == step - 1:  # (never before the script starts: that would start torch_xla's
                 watch.restart()  # runtime before the script chooses SPMD)
-                building.append(stack.enter_context(building_one_step(watch)))
+                building.append(stack.enter_context(building_one_step(watch, generation)))
 
         if step == 1:
-            building.append(stack.enter_context(building_one_step(watch)))
+            building.append(stack.enter_context(building_one_step(watch, generation)))
         with _stopping_at_boundary(step, calls, on_boundary, taken):
             try:
                 runpy.run_path(script, run_name="__main__")
@@ -136,13 +136,15 @@ def run_to_step(script: str, script_args: list[str], step: int = 1) -> Taken:
     return taken[0]
 
 
-def checked_step(script: str, script_args: list[str], step: int | None = None) -> tuple[Taken, str, list[str]]:
+def checked_step(
+    script: str, script_args: list[str], step: int | None = None, generation: str | None = None
+) -> tuple[Taken, str, list[str]]:
     """The step fit checks in `script`: the `step`-th, or by default the first or the loop's steady
     state (module docstring). With its label for the report and notes on how it was chosen."""
     if step is not None:
-        taken = run_to_step(script, script_args, step)
+        taken = run_to_step(script, script_args, step, generation)
         return taken, f"step {step}", _moves(taken, step)
-    first = run_to_step(script, script_args, 1)
+    first = run_to_step(script, script_args, 1, generation)
     if not first.step.fresh:
         return first, "step 1", _moves(first, 1)
     made = f"step 1 creates state that the steps after it update in place ({_size(first.step.fresh_bytes)})"
@@ -151,7 +153,7 @@ def checked_step(script: str, script_args: list[str], step: int | None = None) -
         # run's first boundary would execute them, TPU kernels included
         return first, "step 1", [*_moves(first, 1), f"{made}, but its tensors outlive the run: --step 2 checks step 2"]
     try:
-        second = run_to_step(script, script_args, 2)
+        second = run_to_step(script, script_args, 2, generation)
     except NoSuchStep:
         return first, "step 1", [*_moves(first, 1), f"{made}, but the script has no step 2"]
     if not steady_state_of(first.step, second.step):

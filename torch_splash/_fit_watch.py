@@ -139,10 +139,11 @@ def early(watch: _Watch, error: BaseException | None = None) -> EarlyExecution:
 
 
 @contextlib.contextmanager
-def building_one_step(watch: _Watch):
-    """Inside: the graph is built with the kernels planned for TPU; anything that executed part of
-    it before its boundary is reported as EarlyExecution (naming the line it can find)."""
-    with planned_for_tpu():
+def building_one_step(watch: _Watch, generation: str | None = None):
+    """Inside: the graph is built with the kernels planned for TPU (for `generation`, where given);
+    anything that executed part of it before its boundary is reported as EarlyExecution (naming
+    the line it can find)."""
+    with planned_for_tpu(generation):
         try:
             yield
         except Exception as error:

@@ -13,7 +13,7 @@ import threading
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError, decode
 
-from . import _checks, _sharding
+from . import _checks, _platform, _sharding
 
 _RECORDING = threading.local()
 
@@ -71,6 +71,8 @@ def splash_plan(
 ) -> torch_splash_jax.Plan:
     """The plan of a checked call: at the shapes each device sees when sharded."""
     fields = dict(plan_fields(call), platform=platform, block_sizes=block_sizes)
+    if platform == "tpu":
+        fields["generation"] = _platform.generation_of(call.q.device)
     if sharding is not None:
         local = sharding.local(fields["batch"], fields["num_q_heads"], fields["num_kv_heads"])
         fields.update(zip(("batch", "num_q_heads", "num_kv_heads"), local))

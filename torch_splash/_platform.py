@@ -1,6 +1,6 @@
 """Where a call's kernels are planned for: "cpu" (interpret mode) or "tpu", from the tensors'
 device, or "tpu" for torch_xla CPU-device tensors within `planned_for_tpu` (the fit check's way of
-building a TPU step on a machine without one)."""
+building a TPU step on a machine without one); and for which TPU generation, where known."""
 
 from __future__ import annotations
 
@@ -10,22 +10,39 @@ import threading
 import torch
 
 from torch_splash_jax import SplashConstraintError
+from torch_splash_jax.kernel_limits import generation_of_device_kind
 
 _FOR_TPU = threading.local()
 
 
 @contextlib.contextmanager
-def planned_for_tpu():
+def planned_for_tpu(generation: str | None = None):
     """Within it, torch_xla CPU-device tensors get kernels planned and lowered for TPU, spliced
     into torch_xla's lazy graph: the graph a TPU would run, built (and compiled for TPU by
     torch_splash.fit) on a machine without one. Nothing that reads such a graph's values can run
-    here: the Mosaic kernels need a TPU."""
-    before = getattr(_FOR_TPU, "on", False)
-    _FOR_TPU.on = True
+    here: the Mosaic kernels need a TPU. generation: the TPU generation ("v5e", "v5p", "v6e",
+    "v7x") the kernels are built for (`torch_splash_jax.Plan.generation`), where known."""
+    before = getattr(_FOR_TPU, "on", False), getattr(_FOR_TPU, "generation", None)
+    _FOR_TPU.on, _FOR_TPU.generation = True, generation
     try:
         yield
     finally:
-        _FOR_TPU.on = before
+        _FOR_TPU.on, _FOR_TPU.generation = before
+
+
+def generation_of(device: torch.device) -> str | None:
+    """The TPU generation a call's kernels are built for: the one `planned_for_tpu` names, else
+    torch_xla's TPU device's; None where neither says (the CPU, TorchTPU: its kernels then are the
+    ones that serve every generation)."""
+    if getattr(_FOR_TPU, "on", False):
+        return getattr(_FOR_TPU, "generation", None)
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if xr.device_type() == "TPU":
+            return generation_of_device_kind(xm.xla_device_kind(device))
+    return None
 
 
 def platform_of(device: torch.device) -> str:

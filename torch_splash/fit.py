@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import sys
@@ -83,7 +84,7 @@ def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool | None = 
             "(scale, segment_ids, soft_cap, sinks, block_sizes, kernel)."
         )
     get = options.get
-    with planned_for_tpu():  # meta tensors too: planned for TPU, never run
+    with planned_for_tpu(generation):  # meta tensors too: planned for TPU, never run
         call = _checks.check_call(q, k, v, mask, get("scale"), get("segment_ids"), get("soft_cap"), get("sinks"))
     if backward is None:  # a training step, unless attention would take the decode kernel without gradients
         backward = _planning.decode_plan(call, get("kernel"), get("block_sizes"), None, backward=False) is None
@@ -109,8 +110,9 @@ def check(step_fn, *args, topology: str = "v5e", estimate_time: bool = False, **
     (`kernel_time` of each call) and XLA's own estimate of the rest of the step."""
     import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
 
-    parse_topology(topology)
-    with watching_executions(settle=True) as watch, building_one_step(watch), _planning.recording_plans() as calls:
+    generation, _ = parse_topology(topology)
+    building = functools.partial(building_one_step, generation=generation)
+    with watching_executions(settle=True) as watch, building(watch), _planning.recording_plans() as calls:
         step_fn(*args, **kwargs)
         step = pending_step()
     report = compile_step(step, topology, _partitions())
@@ -159,8 +161,8 @@ def run_script(
     default the first step, or the loop's steady state (step 2) when the first only differs from
     it by creating the state the steps after it update in place. Boundaries that only move data
     onto the device are not steps. The report says which step it checked (`Report.step`)."""
-    parse_topology(topology)
-    taken, label, notes = checked_step(script, script_args, step)
+    generation, _ = parse_topology(topology)
+    taken, label, notes = checked_step(script, script_args, step, generation)
     report = compile_step(taken.step, topology, _partitions())
     report = dataclasses.replace(report, step=label, notes=tuple(notes))
     return _with_time(report, taken.calls) if estimate_time else report

@@ -63,14 +63,28 @@ def lane_tile(x, times: int):
 
 def _online_softmax(s, v, m, total, acc_ref, rows):
     """One chunk of base-2 logits s (rows, chunk) into the running row maxima m and sums
-    total ((rows, LANES), returned) and the output accumulator acc_ref[rows]."""
+    total ((rows, LANES), returned) and the output accumulator acc_ref[rows]. total None: the
+    sums are acc_ref's last LANES lanes, summed by the MXU (`with_ones`)."""
     m_next = jnp.maximum(m, s.max(axis=1)[:, None])
     alpha = jnp.exp2(m - m_next)
     p = jnp.exp2(s - lane_tile(m_next, s.shape[1] // LANES))
-    l_next = alpha * total + lax.broadcast_in_dim(p.sum(axis=1), total.shape, (0,))
+    if total is not None:
+        total = alpha * total + lax.broadcast_in_dim(p.sum(axis=1), total.shape, (0,))
+    else:
+        v = with_ones(v)
     pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
     acc_ref[rows, :] = _fit_lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + pv
-    return m_next, l_next
+    return m_next, total
+
+
+def with_ones(v):
+    """v (keys, Dv) and LANES columns of ones: p @ with_ones(v) is p @ v and, in every one of its
+    last LANES lanes, the rows' sums of p. Where Dv leaves half of a 256-wide MXU's columns
+    idle (v6e, v7x at Dv 128), the MXU sums the rows in those columns at no cost in its time, and
+    the vector unit saves an add a logit and the cross-lane unit its row reductions
+    (`Plan.row_sums`, `block_planning.SUMS_ON_MXU`). The sums are of p as rounded to v's dtype: of the weights
+    p @ v multiplies."""
+    return jnp.concatenate([v, jnp.ones((v.shape[0], LANES), v.dtype)], axis=1)
 
 
 def _as_bool(block):
@@ -226,6 +240,7 @@ def _forward_kernel(
     per_head_lists: bool,
     width: int,
     patterns: tuple[int, ...],
+    sums_on_mxu: bool,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
         block_index_ref, *refs = refs
@@ -235,7 +250,18 @@ def _forward_kernel(
     refs = refs[3:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
     mask_ref = refs.pop(0) if mask is None else None
-    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    if sums_on_mxu:  # the row sums are acc_ref's last LANES lanes
+        (out_ref, lse_ref, m_ref, acc_ref), l_ref = refs, None
+    else:
+        out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+
+    def sums(rows):
+        return None if l_ref is None else l_ref[rows, :]
+
+    def keep_sums(rows, total):
+        if l_ref is not None:
+            l_ref[rows, :] = total
+
     h, n = pl.program_id(0), pl.program_id(1)
     t = (h * width if per_head_lists else 0) + n
     flags = flags_ref[t]
@@ -244,7 +270,8 @@ def _forward_kernel(
     @pl.when((flags & FIRST) != 0)
     def _init():
         m_ref[...] = jnp.full_like(m_ref, MASKED)
-        l_ref[...] = jnp.zeros_like(l_ref)
+        if l_ref is not None:
+            l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     chunks = block_kv // block_kv_compute
@@ -257,7 +284,7 @@ def _forward_kernel(
             if not any(row_kinds):
                 continue
             rows = slice(r * rows_per, (r + 1) * rows_per)
-            m, total = m_ref[rows, :], l_ref[rows, :]  # (rows_per, LANES), every lane alike
+            m, total = m_ref[rows, :], sums(rows)  # (rows_per, LANES), every lane alike
             for c, tile_kind in enumerate(row_kinds):
                 if tile_kind == SKIP:
                     continue
@@ -268,7 +295,8 @@ def _forward_kernel(
                 if tile_kind == PARTIAL or masked_full:
                     s = jnp.where(allowed(r * rows_per, rows_per, cols, tile_kind), s, MASKED)
                 m, total = _online_softmax(s, v_ref[cols, :], m, total, acc_ref, rows)
-            m_ref[rows, :], l_ref[rows, :] = m, total
+            m_ref[rows, :] = m
+            keep_sums(rows, total)
 
     def allowed(row0: int, rows: int, cols: slice, tile_kind: int):
         """Which logits of `rows` rows from row0 and the block's keys `cols` the mask, the real
@@ -297,9 +325,8 @@ def _forward_kernel(
             s = soft_cap * jnp.tanh(s / soft_cap)
         if tile_kind == PARTIAL or has_segment_ids:
             s = jnp.where(allowed(r * block_q_sub, block_q_sub, cols, tile_kind), s, MASKED)
-        m_ref[rows, :], l_ref[rows, :] = _online_softmax(
-            s, v_ref[cols, :], m_ref[rows, :], l_ref[rows, :], acc_ref, rows
-        )
+        m_ref[rows, :], total = _online_softmax(s, v_ref[cols, :], m_ref[rows, :], sums(rows), acc_ref, rows)
+        keep_sums(rows, total)
 
     def sub_tiled():
         tiles = sub_kinds_ref[t]
@@ -321,8 +348,11 @@ def _forward_kernel(
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        m, total = m_ref[...], l_ref[...]
-        acc = acc_ref[...]
+        m, acc = m_ref[...], acc_ref[...]
+        if sums_on_mxu:
+            total, acc = acc[:, -LANES:], acc[:, :-LANES]
+        else:
+            total = l_ref[...]
         if has_sinks:
             sink = sinks_ref[h]
             m_all = jnp.maximum(m, sink)
@@ -375,6 +405,7 @@ def forward(
     stored_mask=None,
     vmem_limit: int | None = None,
     straight_patterns: bool = True,
+    sums_on_mxu: bool = False,
     interpret: bool = False,
 ):
     """Attention over the active blocks: q (Hq, Lq, D), k (Hkv, Lkv, D) scaled by the softmax scale
@@ -386,6 +417,7 @@ def forward(
     `block_index`, blocks (M, block_q, block_kv) bool) for a mask read from stored blocks instead
     (`mask` None; the grid's tile kinds from `stored_tiles`). straight_patterns: partial blocks run their
     tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always).
+    sums_on_mxu: the rows' sums of probabilities computed by the MXU (`with_ones`).
     Returns out (Hq, Lq, Dv) in q's dtype and the
     logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
     num_heads, q_len, head_dim = q.shape
@@ -466,17 +498,16 @@ def forward(
         per_head_lists=per_head_lists,
         width=width,
         patterns=patterns,
+        sums_on_mxu=sums_on_mxu,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(tables),
         grid=(num_heads, width),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, block_q, head_dim_v), q_map), pl.BlockSpec((None, 1, block_q), lse_map)],
-        scratch_shapes=[
-            pltpu.VMEM((block_q, LANES), jnp.float32),
-            pltpu.VMEM((block_q, LANES), jnp.float32),
-            pltpu.VMEM((block_q, head_dim_v), jnp.float32),
-        ],
+        scratch_shapes=[pltpu.VMEM((block_q, LANES), jnp.float32)]  # the rows' maxima
+        + ([] if sums_on_mxu else [pltpu.VMEM((block_q, LANES), jnp.float32)])  # and sums
+        + [pltpu.VMEM((block_q, head_dim_v + LANES * sums_on_mxu), jnp.float32)],
     )
     call = pl.pallas_call(
         body,

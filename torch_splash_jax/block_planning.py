@@ -356,6 +356,24 @@ ACTIVE_BACKWARD_BLOCK_Q = 1024
 ACTIVE_STORED_BLOCK = 1024
 
 
+# The generations whose active forward sums each row's probabilities in the MXU (`Plan.row_sums`,
+# `active_kernels.with_ones`): none yet. v6e's and v7x's MXUs are 256 wide, so p @ v at
+# head_dim_v 128 leaves half their columns idle, and the estimate (libtpu 0.0.52, B=1, bf16,
+# 16/16 heads, D=128, forward) finds 128 columns of ones there free: 16K causal 4.10 -> 3.54 ms on
+# v6e, 3.45 -> 3.22 on v7x. But on the v5e the same estimate, with the chip's own libtpu 0.0.42.1,
+# put the full mask at 16K at 13.34 -> 17.20 ms, and the chip ran it in 12.77 -> 37.0 (causal:
+# 7.16 -> 9.17 estimated, 6.75 -> 9.4 measured): for this change the estimate missed a cost it
+# cannot see, so it does not choose it for chips no one here has measured (docs/tpu.md).
+SUMS_ON_MXU: frozenset = frozenset()
+
+
+def active_row_sums(generation: str | None, head_dim_v: int) -> str:
+    """Where the active forward for `generation` (None: not known) sums rows: "mxu" on the
+    generations of SUMS_ON_MXU where head_dim_v leaves half of the MXU's last 256 columns idle,
+    else "vector"."""
+    return "mxu" if generation in SUMS_ON_MXU and head_dim_v % (2 * LANES) == LANES else "vector"
+
+
 def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     for block in range(min(limit, length) // multiple * multiple, 0, -multiple):
         if length % block == 0:

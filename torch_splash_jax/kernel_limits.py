@@ -9,6 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
+# The TPU generations the planner and the estimator know (tpu_time.chips has their figures), and
+# the device kinds PJRT reports for them (JAX's `device_kind`, torch_xla's `xla_device_kind`).
+GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
+                "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x"}  # fmt: skip
+
+
+def generation_of_device_kind(kind: str) -> str | None:
+    """A device kind's generation of GENERATIONS, None for any other (a CPU, a v4)."""
+    return DEVICE_KINDS.get(kind)
+
+
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes
 SUBLANES = 8  # NUM_SUBLANES: the TPU's second-minor tile dimension
 

@@ -19,11 +19,12 @@ from .block_planning import (
     active_backward_blocks,
     active_backward_rows,
     active_forward_blocks,
+    active_row_sums,
     plan_blocks,
 )
 from .block_sizes import BlockSizes
 from .errors import SplashConstraintError, SplashDtypeError
-from .kernel_limits import LANES, active_table_entries, kernel_itemsize
+from .kernel_limits import GENERATIONS, LANES, active_table_entries, kernel_itemsize
 from .masks import FullMask, MultiHeadMask, shared_structured_mask
 from .sequence_layout import device_lengths, layout_positions
 
@@ -65,6 +66,12 @@ class Plan:
     # `plan` chooses them where the caller does not).
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
+    # The TPU generation the program is built for, where the caller knows it (kernel_limits.GENERATIONS):
+    # per-generation choices are made from it (`row_sums`). None: the choices that serve every generation.
+    generation: str | None = None
+    # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
+    # "mxu" (`active_kernels.with_ones`); `plan` chooses per generation (block_planning.active_row_sums).
+    row_sums: str = "vector"
 
     @property
     def ring(self) -> bool:
@@ -139,6 +146,7 @@ def plan(
     sequence_layout: str = "contiguous",
     head_shards: int = 1,
     context_parallel: str = "all_gather",
+    generation: str | None = None,
 ) -> Plan:
     """Plan one attention call. Shapes must already be checked by the caller (the torch side).
 
@@ -146,7 +154,8 @@ def plan(
     attending its rows to every key: the plan is one shard's, and the shards' positions
     (`Plan.shard_positions`) and block tables become data of the program, not constants. With
     head_shards > 1, num_q_heads and num_kv_heads are one device's heads of that many: a per-head
-    mask then has a mask for every device's heads, and its tables are data too.
+    mask then has a mask for every device's heads, and its tables are data too. generation: the
+    TPU generation the program is for, where known (`Plan.generation`).
 
     Left out (as callers other than the torch side may): MHA, Lkv = Lq, Dv = D, float32, no mask,
     scale 1/sqrt(D)."""
@@ -168,6 +177,8 @@ def plan(
     ring = context_parallel == "ring"
     if platform not in PLATFORMS:
         raise SplashConstraintError(f"platform={platform!r}: expected one of {list(PLATFORMS)}.")
+    if generation is not None and generation not in GENERATIONS:
+        raise SplashConstraintError(f"generation={generation!r}: expected one of {list(GENERATIONS)} or None.")
     table_heads = num_q_heads if per_head else 1  # per-head masks: one table per head
     stored = ring or shared_structured_mask(mask) is None  # the kernel reads stored partial blocks
     # Stored blocks keep the count bound: with them the fused dkv kernel at 512 x 2048 ran out of
@@ -218,6 +229,8 @@ def plan(
         sequence_layout=sequence_layout,
         head_shards=head_shards if per_head else 1,
         context_parallel=context_parallel,
+        generation=generation,
+        row_sums=active_row_sums(generation, head_dim_v),
     )
 
 

@@ -439,6 +439,7 @@ class _ActiveForward:
             soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
             segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
             sinks=None if sinks is None else sinks.astype(jnp.float32) * active_kernels.LOG2E,
+            sums_on_mxu=p.row_sums == "mxu",
             interpret=p.platform != "tpu",
         )
 

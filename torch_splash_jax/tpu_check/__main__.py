@@ -79,10 +79,12 @@ def _estimates(timing: list[Call], generation: str, workers: int) -> dict:
     XLA ops around them), a decode row's decode program ("decode") and splash forward ("splash")."""
     import dataclasses as dc
 
+    from ..kernel_limits import GENERATIONS
     from ..tpu_time import estimate_in_subprocess, estimate_json
 
     jobs = {}
     for call in timing:
+        call = dc.replace(call, generation=generation if generation in GENERATIONS else None)
         if call.kernel == "decode":
             jobs[(call.name, "decode")] = (call.plan("tpu"), False)
             jobs[(call.name, "splash")] = (dc.replace(call, kernel="splash").plan("tpu"), False)

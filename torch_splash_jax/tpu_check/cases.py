@@ -31,6 +31,7 @@ class Call:
     sinks: bool = False
     kernel: str = "splash"  # or "decode"
     blocks: tuple = ()  # explicit BlockSizes fields, (name, value) pairs
+    generation: str | None = None  # the TPU generation its kernels are built for (Plan.generation)
 
     @property
     def dv(self) -> int:
@@ -77,7 +78,8 @@ class Call:
             return decode.decode_plan(**fields)
         # JAX's splash kernels at the plan's blocks: the baseline the active kernels are timed against
         explicit = dict(dict(self.blocks), forward_kernel="splash")
-        return plan(**fields, block_sizes=block_sizes.BlockSizes(**explicit))
+        generation = self.generation if platform == "tpu" else None
+        return plan(**fields, block_sizes=block_sizes.BlockSizes(**explicit), generation=generation)
 
     def scaled(self, factor: int) -> Call:
         """The same call with lengths divided by `factor` (at least 128), batch at most 2: the CPU's

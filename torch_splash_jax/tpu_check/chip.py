@@ -13,6 +13,7 @@ warm-up call.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import platform as platform_module
 import time
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 
 from .. import compat
 from ..errors import SplashConstraintError
+from ..kernel_limits import DEVICE_KINDS, GENERATIONS
 from ..plan import Plan, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
@@ -33,9 +35,8 @@ from .reference import inputs, reference, relative_error
 REPEATS = 5
 # Each repetition runs the program back to back for at least this long.
 REPETITION_SECONDS = 0.05
-# Device kinds JAX reports, as the estimator's generations.
-GENERATIONS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
-               "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x", "TPU v4": "v4"}  # fmt: skip
+# Device kinds JAX reports, as the estimator's generations (a v4 named too, for its results file).
+KINDS = {**DEVICE_KINDS, "TPU v4": "v4"}
 
 
 def emit(**fields) -> None:
@@ -44,7 +45,7 @@ def emit(**fields) -> None:
 
 def generation(device) -> str | None:
     """The estimator's name of a device's generation ("v5e", ...), None for a CPU."""
-    return GENERATIONS.get(device.device_kind) if device.platform == "tpu" else None
+    return KINDS.get(device.device_kind) if device.platform == "tpu" else None
 
 
 def _error(error: BaseException) -> str:
@@ -322,6 +323,10 @@ def run(parts: list[str], fidelity_calls: list[Call], timing_calls: list[Call], 
         )
     )
     compiler = _Compiler(workers)
+    # the kernels built for this chip's generation (a v4's: as for every generation)
+    planned = generation(device) if generation(device) in GENERATIONS else None
+    fidelity_calls = [dataclasses.replace(call, generation=planned) for call in fidelity_calls]
+    timing_calls = [dataclasses.replace(call, generation=planned) for call in timing_calls]
     try:
         if "limits" in parts:
             emit(limits=limits(quick))

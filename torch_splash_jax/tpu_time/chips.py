@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import SplashConstraintError
+from ..kernel_limits import GENERATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ CHIPS = {
     # two TensorCores per chip, each its own JAX device with half the chip's peak and bandwidth
     "v7x": Chip("v7x", "tpu7x:2x2x1", 2307e12 / 2, 7380e9 / 2, 1, 1 << 18),
 }
+assert tuple(CHIPS) == GENERATIONS  # the planner's generations (Plan.generation) are the estimator's
 # The only fitted numbers: per generation, the clock under load, as a factor on the schedule's time
 # at the clock `Chip.clock` derives from the published peak, fitted to tokamax's measured times
 # (`./dev.sh bench-tpu-time`, docs/benchmarks.md) and for v5e, where tokamax measured no attention,
