@@ -156,6 +156,20 @@ def tile_patterns(grid, has_segment_ids: bool, tiles: int) -> tuple[int, ...]:
     return tuple(patterns) if fits else ()
 
 
+def may_run_partial(grid, has_segment_ids: bool) -> bool:
+    """Whether an entry of `grid` may run a partial block (with segment ids a full entry may turn
+    partial on the device); True where the tables are program inputs, not known when the kernel is
+    built. A kernel whose entries are all full carries no partial block's code, which may push its
+    code past what the chip runs at speed (`tile_patterns`): with its rows summed in the MXU, the
+    full mask's forward at 16K took 37.0 ms on the v5e carrying 32 tile bodies it never ran, 17.9
+    without them (with the vector sums 12.7 either way)."""
+    flags = grid[2]
+    if not isinstance(flags, np.ndarray):
+        return True
+    kind = flags & KIND
+    return bool(((kind == PARTIAL) | ((kind == FULL) & has_segment_ids)).any())
+
+
 def _unpack(pattern: int, count: int) -> list[int]:
     """The 2-bit kinds of a packed table entry's `count` tiles, in bit order."""
     return [(pattern >> (2 * i)) & KIND for i in range(count)]
@@ -240,6 +254,7 @@ def _forward_kernel(
     per_head_lists: bool,
     width: int,
     patterns: tuple[int, ...],
+    any_partial: bool,
     sums_on_mxu: bool,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
@@ -337,9 +352,9 @@ def _forward_kernel(
                 pl.when(tile_kind == PARTIAL)(functools.partial(tile, r, c, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * chunks], False))
-    if not block_q_sub:
+    if any_partial and not block_q_sub:
         pl.when(kind == PARTIAL)(functools.partial(straight, [[PARTIAL] * chunks], False))
-    else:
+    elif any_partial:
         row_tiles = block_q // block_q_sub
         run = functools.partial(straight, masked_full=has_segment_ids)
         _when_pattern(patterns, row_tiles, chunks, kind, sub_kinds_ref[t], run)
@@ -498,6 +513,7 @@ def forward(
         per_head_lists=per_head_lists,
         width=width,
         patterns=patterns,
+        any_partial=may_run_partial(grid, segment_ids is not None),
         sums_on_mxu=sums_on_mxu,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -571,6 +587,7 @@ def _backward_kernel(
     steps: int,
     q_len: int,
     patterns: tuple[int, ...],
+    any_partial: bool,
     per_head_lists: bool,
     dk_scale: float,
     fresh: bool,
@@ -783,10 +800,11 @@ def _backward_kernel(
                 pl.when((tile_kind == PARTIAL) | (tile_kind == DIAGONAL))(functools.partial(run, PARTIAL))
 
     pl.when(kind == FULL)(functools.partial(straight, [[FULL] * row_tiles] * chunks, has_segment_ids))
-    run = functools.partial(straight, masked_full=has_segment_ids)
-    _when_pattern(patterns, chunks, row_tiles, kind, sub_kinds_ref[e], run)
-    if not patterns:
-        pl.when(kind == PARTIAL)(tiled)
+    if any_partial:
+        run = functools.partial(straight, masked_full=has_segment_ids)
+        _when_pattern(patterns, chunks, row_tiles, kind, sub_kinds_ref[e], run)
+        if not patterns:
+            pl.when(kind == PARTIAL)(tiled)
 
     @pl.when(state[1] != 0)
     def _written():
@@ -1001,6 +1019,7 @@ def backward(
         steps=steps,
         q_len=q_len,
         patterns=patterns,
+        any_partial=may_run_partial(grid, segment_ids is not None),
         per_head_lists=per_head_lists,
         dk_scale=float(dk_scale),
         fresh=fresh,

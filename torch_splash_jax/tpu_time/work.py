@@ -199,9 +199,13 @@ def _tile_counts(
     """Of the block lists' partial blocks (the host's kinds), as the active kernels run them: per
     tile, how many take its unmasked and its masked path when they run a branch a tile (else []);
     per straight-line tile pattern, how many take it (else []; none where `straight` is False, a
-    stored mask's); and the tiles they compute (a DIAGONAL tile of `rows` rows counted by its share)."""
-    from ..active_kernels import DIAGONAL, FULL, KIND, PARTIAL, SKIP, STRIP, tile_patterns
+    stored mask's); and the tiles they compute (a DIAGONAL tile of `rows` rows counted by its share).
+    A kernel built from constant lists with no partial entry has no tile code (`may_run_partial`);
+    a stored mask's lists are its program's inputs, and its kernel has that code whatever they hold."""
+    from ..active_kernels import DIAGONAL, FULL, KIND, PARTIAL, SKIP, STRIP, may_run_partial, tile_patterns
 
+    if straight and not may_run_partial(tuple(np.asarray(t) for t in grid), has_segment_ids):
+        return [], [], 0
     _, _, flags, sub = (np.asarray(t) for t in grid)
     packed = sub[(flags & KIND) == PARTIAL]
     taken = [(packed >> (2 * i)) & KIND for i in range(count)]
