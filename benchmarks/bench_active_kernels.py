@@ -4,8 +4,8 @@ the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `
 step's program (forward, then backward) of the plan, and of the plan with
 `BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
 generation (`Plan.generation`); on v6e and v7x also the active kernels with their forward's rows
-summed in the MXU ("mxu sums", `Plan.row_sums`: the choice `block_planning.SUMS_ON_MXU` would make
-for them, estimated, not measured). Every figure is an estimate
+summed the other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
+`block_planning.SUMS_ON_MXU` chooses). Every figure is an estimate
 (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
 (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
@@ -61,17 +61,18 @@ def _kernels(kernels, generation: str) -> dict:
     )
 
 
-VARIANTS = ("plan", "active", "mxu sums")
-MXU_SUMS_GENERATIONS = ("v6e", "v7x")  # 256-wide MXUs: at head_dim_v 128, p @ v leaves half their columns idle
+VARIANTS = ("plan", "active", "other sums")
+WIDE_MXU = ("v6e", "v7x")  # 256-wide MXUs: p @ v at head_dim_v 128 leaves half their columns idle
 
 
 def _variants(generation: str, head_dim_v: int) -> tuple:
-    return VARIANTS if generation in MXU_SUMS_GENERATIONS and head_dim_v == 128 else VARIANTS[:2]
+    return VARIANTS if generation in WIDE_MXU and head_dim_v % 256 == 128 else VARIANTS[:2]
 
 
 def _estimate(call, generation: str, variant: str) -> dict:
     """The step's forward kernel and backward kernels, estimated, of the call's plan for
-    `generation` or of that plan with the active-block kernels (their rows summed in the MXU)."""
+    `generation`, of that plan with the active-block kernels, or of those with their forward's rows
+    summed the other way ("other sums": `Plan.row_sums`, in the MXU or on the vector unit)."""
     import dataclasses
 
     from torch_splash_jax import tpu_time
@@ -80,15 +81,16 @@ def _estimate(call, generation: str, variant: str) -> dict:
     plan = dataclasses.replace(call, generation=generation).plan("tpu")
     if variant != "plan":
         plan = with_kernels(plan, "active")
-    if variant == "mxu sums":
-        plan = dataclasses.replace(plan, row_sums="mxu")
+    if variant == "other sums":
+        plan = dataclasses.replace(plan, row_sums="vector" if plan.row_sums == "mxu" else "mxu")
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
         return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
     forward = [k for k in estimate.kernels if k.kind == "forward"]
     backward = [k for k in estimate.kernels if k.kind != "forward"]
-    return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation))
+    sums = {} if variant == "plan" else dict(row_sums=plan.row_sums)
+    return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **sums)
 
 
 def main() -> None:

@@ -892,15 +892,14 @@ def _active_kernels(r: dict) -> str:
 
 
 def _sums_on_mxu(r: dict, rows: dict) -> list[str]:
-    """The active forward with its rows summed on the vector unit (the default) against in the MXU
-    (`Plan.row_sums="mxu"`), where estimated."""
-    generations = sorted({g for (_, g), row in rows.items() if "mxu sums" in row}, key=["v6e", "v7x"].index)
+    """The active forward with its rows summed on the vector unit against in the MXU (`Plan.row_sums`),
+    where both were estimated; the generation's choice starred."""
+    generations = sorted({g for (_, g), row in rows.items() if "other sums" in row}, key=["v6e", "v7x"].index)
     if not generations:
         return []
     lines = [
-        "The active forward's row sums (`Plan.row_sums`), estimated ms: on the vector unit (the default) / in "
-        "the MXU (their ratio; the step's ratio). Not chosen for any generation (`block_planning.SUMS_ON_MXU`: "
-        "on the v5e this change cost more than the estimate found).",
+        "Row sums: the active forward's rows summed on the vector unit / in the MXU (`Plan.row_sums`), estimated "
+        "ms (their ratio; the step's ratio); * the generation's choice (`block_planning.SUMS_ON_MXU`).",
         "",
         "| call | " + " | ".join(generations) + " |",
         "|---|" + "---|" * len(generations),
@@ -909,13 +908,15 @@ def _sums_on_mxu(r: dict, rows: dict) -> list[str]:
         cells = []
         for generation in generations:
             row = rows.get((name, generation), {})
-            vector, mxu = row.get("active", {}), row.get("mxu sums", {})
+            both = {x.get("row_sums"): x for x in (row.get("active", {}), row.get("other sums", {}))}
+            vector, mxu = both.get("vector", {}), both.get("mxu", {})
             if "forward" not in vector or "forward" not in mxu:
                 cells.append("")
                 continue
             step = [sum(x[p]["seconds"] for p in ("forward", "backward")) for x in (vector, mxu)]
             v, m = vector["forward"]["seconds"], mxu["forward"]["seconds"]
-            cells.append(f"{v * 1e3:.2f} / {m * 1e3:.2f} ({m / v:.2f}x; {step[1] / step[0]:.2f}x)")
+            star = ("*", "") if row["active"]["row_sums"] == "vector" else ("", "*")
+            cells.append(f"{v * 1e3:.2f}{star[0]} / {m * 1e3:.2f}{star[1]} ({m / v:.2f}x; {step[1] / step[0]:.2f}x)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

@@ -392,17 +392,15 @@ def test_float32_blocks_a_caller_sets_are_held_to_what_compiled():
         blocks(block_q=2048, block_kv=512)
 
 
-def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_by_it(monkeypatch):
+def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_by_it():
     """`Plan.generation` (the caller's, or torch_xla's device's) is one the estimator knows; the
-    active forward's row sums follow `block_planning.SUMS_ON_MXU` where head_dim_v 128 leaves half of
-    a 256-wide MXU idle, and are on the vector unit everywhere else (for every generation, today)."""
-    from torch_splash_jax import block_planning
-
+    active forward sums its rows in the MXU on v6e where head_dim_v 128 leaves half of its 256-wide
+    MXUs idle, on the vector unit everywhere else (and where the generation is not known)."""
     with pytest.raises(torch_splash_jax.SplashConstraintError, match="generation='v4'"):
         torch_splash_jax.plan(q_len=256, generation="v4")
     fields = dict(q_len=1024, num_q_heads=4, head_dim=128, dtype="bfloat16", platform="tpu")
-    assert {torch_splash_jax.plan(**fields, generation=g).row_sums for g in (None, "v5e", "v6e", "v7x")} == {"vector"}
-    monkeypatch.setattr(block_planning, "SUMS_ON_MXU", frozenset({"v6e"}))
-    assert torch_splash_jax.plan(**fields, generation="v6e").row_sums == "mxu"
-    assert torch_splash_jax.plan(**fields, generation="v7x").row_sums == "vector"
-    assert torch_splash_jax.plan(**dict(fields, head_dim=256), generation="v6e").row_sums == "vector"
+    generations = (None, "v5e", "v5p", "v6e", "v7x")
+    sums = [torch_splash_jax.plan(**fields, generation=g).row_sums for g in generations]
+    assert sums == ["vector", "vector", "vector", "mxu", "vector"]
+    for head_dim in (64, 256):
+        assert torch_splash_jax.plan(**dict(fields, head_dim=head_dim), generation="v6e").row_sums == "vector"

@@ -189,19 +189,10 @@ DEFAULT = [
         blocks=ACTIVE,
     ),
     _case("active-dense-f32-300", 2, 2, 300, 300, 64, "float32", "dense", segment_ids=True, blocks=ACTIVE),
-    # planned for the generation it compiles for (Plan.generation), its forward's rows summed in
-    # the MXU (Plan.row_sums="mxu", which block_planning.SUMS_ON_MXU would choose per generation)
+    # planned for the generation it compiles for (Plan.generation): on v6e its forward sums its rows
+    # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU)
     _case(
-        "active-mxu-sums-planned-for-each-generation",
-        8,
-        8,
-        4096,
-        4096,
-        128,
-        "bfloat16",
-        "CausalMask(0)",
-        planned_for_each=True,
-        row_sums="mxu",
+        "active-planned-for-each-generation", 8, 8, 4096, 4096, 128, "bfloat16", "CausalMask(0)", planned_for_each=True
     ),
 ]
 
@@ -224,7 +215,7 @@ ALSO_V6E = {
     "active-documents-8k",
     "active-per-head-d64-bf16-1024",
     "active-dense-f32-300",
-    "active-mxu-sums-planned-for-each-generation",
+    "active-planned-for-each-generation",
 }
 # The infer program is the forward's kernel without the logsumexp output: compiled for those too,
 # and for every case under -m slow.
@@ -352,8 +343,9 @@ def test_program_compiles_for_tpu(default_results, case, kind, generation):
 @pytest.mark.xla
 def test_a_case_planned_for_each_generation_is_planned_for_the_one_it_compiles_for(default_results):
     for generation in GENERATIONS:
-        result = default_results[("active-mxu-sums-planned-for-each-generation", "forward", generation)]
+        result = default_results[("active-planned-for-each-generation", "forward", generation)]
         assert result.get("planned_for") == generation, result
+        assert result.get("row_sums") == ("mxu" if generation == "v6e" else "vector"), result
 
 
 @pytest.mark.xla

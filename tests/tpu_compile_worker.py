@@ -16,7 +16,6 @@ torch_xla. Prints one JSON line per result.
                             for the 4 chips of v5e:2x2 with its sharding.
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -86,10 +85,9 @@ def case_plan(case: dict, generation: str | None = None):
     if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
         return torch_splash_jax.decode.decode_plan(**fields)
     blocks = case.get("blocks")
-    plan = torch_splash_jax.plan(
+    return torch_splash_jax.plan(
         **fields, block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks), generation=generation
     )
-    return dataclasses.replace(plan, row_sums=case["row_sums"]) if "row_sums" in case else plan
 
 
 def documents_mask(length: int, block: int = 128):
@@ -242,6 +240,7 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
                     blocks=_blocks(plan),
                     backward_kernel=getattr(plan, "backward_kernel", None),
                     planned_for=getattr(plan, "generation", None),
+                    row_sums=getattr(plan, "row_sums", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

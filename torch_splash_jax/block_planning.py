@@ -357,14 +357,15 @@ ACTIVE_STORED_BLOCK = 1024
 
 
 # The generations whose active forward sums each row's probabilities in the MXU (`Plan.row_sums`,
-# `active_kernels.with_ones`): none yet. v6e's and v7x's MXUs are 256 wide, so p @ v at
-# head_dim_v 128 leaves half their columns idle, and the estimate (libtpu 0.0.52, B=1, bf16,
-# 16/16 heads, D=128, forward) finds 128 columns of ones there free: 16K causal 4.10 -> 3.54 ms on
-# v6e, 3.45 -> 3.22 on v7x. But on the v5e the same estimate, with the chip's own libtpu 0.0.42.1,
-# put the full mask at 16K at 13.34 -> 17.20 ms, and the chip ran it in 12.77 -> 37.0 (causal:
-# 7.16 -> 9.17 estimated, 6.75 -> 9.4 measured): for this change the estimate missed a cost it
-# cannot see, so it does not choose it for chips no one here has measured (docs/tpu.md).
-SUMS_ON_MXU: frozenset = frozenset()
+# `active_kernels.with_ones`). v6e's and v7x's MXUs are 256 wide, so p @ v at head_dim_v 128 leaves
+# half their columns idle, and the estimate (libtpu 0.0.52, bf16, D=128; `./dev.sh
+# bench-active-kernels`, "Row sums") finds 128 columns of ones there free: the forward 0.84x to
+# 0.91x as long on v6e at 16K and 32K (0.92x to 0.99x at 1K to 4K), on v7x 0.86x to 1.09x (1.08x
+# and 1.09x for stored masks). On the v5e, whose 128-wide MXUs pay for them, the chip measured the
+# change 1.39x to 1.41x where the estimate (with the chip's libtpu) had 1.28x to 1.29x: it missed
+# about 8% of this change's cost there. Chosen where the estimated gain on long calls exceeds that
+# miss and no call loses: v6e; not v7x.
+SUMS_ON_MXU = frozenset({"v6e"})
 
 
 def active_row_sums(generation: str | None, head_dim_v: int) -> str:

@@ -251,7 +251,7 @@ def _kernels(
     not: sharded and ring calls, lists that may outgrow SMEM (`_active_lists_fit`), and a pass
     whose JAX blocks the caller set. The active kernels are the faster on every call measured on
     the v5e and, for the training step, faster or level on every call estimated for v5p, v6e and
-    v7x but one mask per head on v5p (docs/tpu.md); the planner does not know the generation."""
+    v7x but one mask per head on v5p (docs/tpu.md); the choice does not depend on `generation`."""
     forward = block_sizes.forward_kernel
     backward = block_sizes.backward_kernel or forward
 
