@@ -62,11 +62,12 @@ def _kernels(kernels, generation: str) -> dict:
 
 
 VARIANTS = ("plan", "active", "other sums")
-WIDE_MXU = ("v6e", "v7x")  # 256-wide MXUs: p @ v at head_dim_v 128 leaves half their columns idle
 
 
 def _variants(generation: str, head_dim_v: int) -> tuple:
-    return VARIANTS if generation in WIDE_MXU and head_dim_v % 256 == 128 else VARIANTS[:2]
+    from torch_splash_jax.block_planning import mxu_columns_left_idle
+
+    return VARIANTS if mxu_columns_left_idle(generation, head_dim_v) else VARIANTS[:2]
 
 
 def _estimate(call, generation: str, variant: str) -> dict:

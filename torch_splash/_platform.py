@@ -10,7 +10,7 @@ import threading
 import torch
 
 from torch_splash_jax import SplashConstraintError
-from torch_splash_jax.kernel_limits import generation_of_device_kind
+from torch_splash_jax.kernel_limits import DEVICE_KINDS
 
 _FOR_TPU = threading.local()
 
@@ -41,7 +41,7 @@ def generation_of(device: torch.device) -> str | None:
         import torch_xla.runtime as xr
 
         if xr.device_type() == "TPU":
-            return generation_of_device_kind(xm.xla_device_kind(device))
+            return DEVICE_KINDS.get(xm.xla_device_kind(device))
     return None
 
 

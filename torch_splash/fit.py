@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import os
 import sys
@@ -111,8 +110,11 @@ def check(step_fn, *args, topology: str = "v5e", estimate_time: bool = False, **
     import torch_xla  # noqa: F401  (the step's tensors are torch_xla's)
 
     generation, _ = parse_topology(topology)
-    building = functools.partial(building_one_step, generation=generation)
-    with watching_executions(settle=True) as watch, building(watch), _planning.recording_plans() as calls:
+    with (
+        watching_executions(settle=True) as watch,
+        building_one_step(watch, generation),
+        _planning.recording_plans() as calls,
+    ):
         step_fn(*args, **kwargs)
         step = pending_step()
     report = compile_step(step, topology, _partitions())

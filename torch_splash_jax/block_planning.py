@@ -28,6 +28,7 @@ from .kernel_limits import (
     SMEM_STORED_TABLE_ENTRIES,
     SMEM_TABLE_ENTRIES,
     SUBLANES,
+    WIDE_MXU,
     Footprint,
     lane_padded,
     round_up,
@@ -368,11 +369,15 @@ ACTIVE_STORED_BLOCK = 1024
 SUMS_ON_MXU = frozenset({"v6e"})
 
 
+def mxu_columns_left_idle(generation: str | None, head_dim_v: int) -> bool:
+    """Whether p @ v at head_dim_v leaves half of the generation's last 256 MXU columns idle."""
+    return generation in WIDE_MXU and head_dim_v % (2 * LANES) == LANES
+
+
 def active_row_sums(generation: str | None, head_dim_v: int) -> str:
     """Where the active forward for `generation` (None: not known) sums rows: "mxu" on the
-    generations of SUMS_ON_MXU where head_dim_v leaves half of the MXU's last 256 columns idle,
-    else "vector"."""
-    return "mxu" if generation in SUMS_ON_MXU and head_dim_v % (2 * LANES) == LANES else "vector"
+    generations of SUMS_ON_MXU where p @ v leaves MXU columns idle, else "vector"."""
+    return "mxu" if generation in SUMS_ON_MXU and mxu_columns_left_idle(generation, head_dim_v) else "vector"
 
 
 def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:

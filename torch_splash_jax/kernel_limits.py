@@ -14,11 +14,7 @@ import dataclasses
 GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
 DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
                 "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x"}  # fmt: skip
-
-
-def generation_of_device_kind(kind: str) -> str | None:
-    """A device kind's generation of GENERATIONS, None for any other (a CPU, a v4)."""
-    return DEVICE_KINDS.get(kind)
+WIDE_MXU = ("v6e", "v7x")  # 256 x 256 MXUs; v5e's and v5p's are 128 x 128
 
 
 LANES = 128  # NUM_LANES in the kernel: kv blocks live in vector lanes

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .. import compat
 from ..errors import SplashConstraintError
-from ..kernel_limits import DEVICE_KINDS, GENERATIONS
+from ..kernel_limits import DEVICE_KINDS
 from ..plan import Plan, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
@@ -324,7 +324,7 @@ def run(parts: list[str], fidelity_calls: list[Call], timing_calls: list[Call], 
     )
     compiler = _Compiler(workers)
     # the kernels built for this chip's generation (a v4's: as for every generation)
-    planned = generation(device) if generation(device) in GENERATIONS else None
+    planned = DEVICE_KINDS.get(device.device_kind) if device.platform == "tpu" else None
     fidelity_calls = [dataclasses.replace(call, generation=planned) for call in fidelity_calls]
     timing_calls = [dataclasses.replace(call, generation=planned) for call in timing_calls]
     try:
