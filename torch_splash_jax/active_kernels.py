@@ -147,13 +147,19 @@ def tile_patterns(grid, has_segment_ids: bool, tiles: int) -> tuple[int, ...]:
     () and a branch a tile. With segment ids a full entry may turn partial on the device
     (`segment_kinds`): its pattern counts too."""
     _, _, flags, sub = (np.asarray(x) for x in grid)
-    kind = flags & KIND
-    patterns = [int(p) for p in np.unique(sub[(kind == PARTIAL) | ((kind == FULL) & has_segment_ids)])]
+    patterns = [int(p) for p in np.unique(sub[_may_be_partial(flags, has_segment_ids)])]
     kinds = [k for p in patterns for k in _unpack(p, tiles)]
     masked = sum(k in (PARTIAL, DIAGONAL) or (k == FULL and has_segment_ids) for k in kinds)
     plain = sum(k == FULL and not has_segment_ids for k in kinds)
     fits = plain + masked <= 2 * tiles and masked <= (2 if has_segment_ids else 1) * tiles
     return tuple(patterns) if fits else ()
+
+
+def _may_be_partial(flags: np.ndarray, has_segment_ids: bool) -> np.ndarray:
+    """The entries that may run a partial block: the partial ones and, with segment ids, the full
+    ones (`segment_kinds` may turn them partial on the device)."""
+    kind = flags & KIND
+    return (kind == PARTIAL) | ((kind == FULL) & has_segment_ids)
 
 
 def may_run_partial(grid, has_segment_ids: bool) -> bool:
@@ -164,10 +170,7 @@ def may_run_partial(grid, has_segment_ids: bool) -> bool:
     full mask's forward at 16K took 37.0 ms on the v5e carrying 32 tile bodies it never ran, 17.9
     without them (with the vector sums 12.7 either way)."""
     flags = grid[2]
-    if not isinstance(flags, np.ndarray):
-        return True
-    kind = flags & KIND
-    return bool(((kind == PARTIAL) | ((kind == FULL) & has_segment_ids)).any())
+    return not isinstance(flags, np.ndarray) or bool(_may_be_partial(flags, has_segment_ids).any())
 
 
 def _unpack(pattern: int, count: int) -> list[int]:

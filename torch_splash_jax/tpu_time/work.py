@@ -204,9 +204,10 @@ def _tile_counts(
     a stored mask's lists are its program's inputs, and its kernel has that code whatever they hold."""
     from ..active_kernels import DIAGONAL, FULL, KIND, PARTIAL, SKIP, STRIP, may_run_partial, tile_patterns
 
-    if straight and not may_run_partial(tuple(np.asarray(t) for t in grid), has_segment_ids):
+    grid = tuple(np.asarray(t) for t in grid)
+    if straight and not may_run_partial(grid, has_segment_ids):
         return [], [], 0
-    _, _, flags, sub = (np.asarray(t) for t in grid)
+    _, _, flags, sub = grid
     packed = sub[(flags & KIND) == PARTIAL]
     taken = [(packed >> (2 * i)) & KIND for i in range(count)]
     patterns = tile_patterns(grid, has_segment_ids, count) if straight else ()
