@@ -308,11 +308,7 @@ def step(spmd: bool) -> None:
                     xs.mark_sharding(t, mesh, spec)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-        def active(q, k, v):  # the active-block kernels (one forward and one backward call a layer)
-            blocks = torch_splash.BlockSizes(forward_kernel="active")
-            return torch_splash.attention(q, k, v, "causal", partition_spec=spec, mesh=mesh, block_sizes=blocks)
-
-        variants = [("splash", splash), ("sdpa", sdpa)] + ([] if spmd else [("active", active)])
+        variants = [("splash", splash), ("sdpa", sdpa)]
         for name, attention in variants:
             tensors = _tiny_model_step(device, attention)
             text = _compat.pending_hlo_text(tensors)
