@@ -14,6 +14,7 @@ No TPU, and so no TorchTPU device, is reachable here. What stands in for a TPU r
 
 import collections
 import importlib
+import types
 
 import jax
 import pytest
@@ -176,3 +177,16 @@ def test_flex_attention_s_logsumexp_gradient_through_jax_op(torchtpu, compiled):
     got = _run(attend, q, k, v, case[0], block_mask)
     _assert_close(got, _exact(q, k, v, case[0], block_mask))
     assert sum(torchtpu.calls.values()) >= 2 * 2  # each batch element's forward and backward
+
+
+@pytest.mark.parametrize("name,generation", [("TPU v5e", "v5e"), ("TPU v6e", "v6e"), ("TPU v7", "v7x"), ("TPU", None)])
+def test_torchtpu_s_chip_name_is_the_generation_its_kernels_are_planned_for(monkeypatch, name, generation):
+    """On TorchTPU's device a call is planned for the chip TorchTPU names (its public
+    `torch.tpu.get_device_name`, read from the PCI ids: stood in for here, where there is no TPU,
+    and so no "tpu" device type either); one it does not name ("TPU") gets the kernels that serve
+    every generation."""
+    from torch_splash import _platform
+
+    assert torch.tpu.get_device_name() == "TPU"  # this machine: no TPU on its PCI bus
+    monkeypatch.setattr(torch.tpu, "get_device_name", lambda device=None: name)
+    assert _platform.generation_of(types.SimpleNamespace(type="tpu")) == generation

@@ -32,10 +32,12 @@ def planned_for_tpu(generation: str | None = None):
 
 def generation_of(device: torch.device) -> str | None:
     """The TPU generation a call's kernels are built for: the one `planned_for_tpu` names, else
-    torch_xla's TPU device's; None where neither says (the CPU, TorchTPU: its kernels then are the
-    ones that serve every generation)."""
+    the device's (torch_xla's TPU device kind; TorchTPU's chip name); None where none says (the
+    CPU, a chip TorchTPU does not name: its kernels then are the ones that serve every generation)."""
     if getattr(_FOR_TPU, "on", False):
         return getattr(_FOR_TPU, "generation", None)
+    if device.type == "tpu":  # TorchTPU's public device module: "TPU v6e", "TPU v7"; "TPU" when unknown
+        return DEVICE_KINDS.get(torch.tpu.get_device_name(device))
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 # The TPU generations the planner and the estimator know (tpu_time.chips has their figures), and
-# the device kinds PJRT reports for them (JAX's `device_kind`, torch_xla's `xla_device_kind`).
+# the device kinds PJRT reports for them (JAX's `device_kind`, torch_xla's `xla_device_kind`) and
+# the chip names TorchTPU gives (`torch.tpu.get_device_name`: "TPU v7" is Ironwood, v7x).
 GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
 DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
-                "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x"}  # fmt: skip
+                "TPU v6e": "v6e", "TPU7x": "v7x", "TPU v7x": "v7x", "TPU v7": "v7x"}  # fmt: skip
 WIDE_MXU = ("v6e", "v7x")  # 256 x 256 MXUs; v5e's and v5p's are 128 x 128
 
 
