@@ -377,6 +377,7 @@ def test_training_with_attention_dropout_is_refused():
     model.eval()(torch.randint(0, 128, (1, 5)))  # dropout is 0 at eval: fine
 
 
+@pytest.mark.xla  # in the set `./dev.sh hf-finetune` runs it with
 def test_finetune_example_runs(tmp_path):
     """examples/hf_finetune.py as the README runs it, shortened: both curves, their difference, the plot."""
     import pathlib

@@ -215,13 +215,25 @@ ALSO_V6E = {
     "active-dense-f32-300",
     "active-planned-for-each-generation",
 }
-# The infer program is the forward's kernel without the logsumexp output: compiled for those too,
-# and for every case under -m slow.
+# Cases at a limit of the chip's (VMEM, SMEM, stored mask blocks) or planned for the generation
+# they compile for. The infer program is the forward's kernel without the logsumexp output, so its
+# blocks take less VMEM than the forward's: compiled by default for these (the full matrix under
+# -m slow compiles it for each of its cases). The current set exports these for v5e and v6e too.
+AT_A_LIMIT = {
+    "long-640k-causal",
+    "fused-d256-16k",
+    "explicit-blocks-2048x1024",
+    "head-dim-512-planned",
+    "active-causal-d128-bf16-b4-4k",
+    "active-documents-8k",
+    "active-planned-for-each-generation",
+}
+assert AT_A_LIMIT <= ALSO_V6E
 DEFAULT = [
     dict(
         case,
         generations=GENERATIONS if case["name"] in ALSO_V6E else ["v5e"],
-        kinds=KINDS if case["name"] in ALSO_V6E else KINDS[:2],
+        kinds=KINDS if case["name"] in AT_A_LIMIT else KINDS[:2],
     )
     for case in DEFAULT
 ]
@@ -371,18 +383,10 @@ def test_a_mosaic_version_past_the_libtpu_s_is_refused(default_results):
 
 # The current set exports the edge cases (ALSO_V6E) for v7x by default: no other test compiles for
 # it. For v5e and v6e, whose programs the torch_xla set has compiled (every case for v5e, the edge
-# cases for v6e too), it exports by default only those where the newer libtpu judges a limit of
-# the chip's (VMEM, SMEM) or the plan is the generation's own; every other export runs under -m slow.
-NEWER_LIBTPU_EDGES = {
-    "long-640k-causal",
-    "fused-d256-16k",
-    "explicit-blocks-2048x1024",
-    "head-dim-512-planned",
-    "active-causal-d128-bf16-b4-4k",
-    "active-planned-for-each-generation",
-}
-EDGE_COMPILED = [t for t in COMPILED if t[0]["name"] in NEWER_LIBTPU_EDGES]
-OTHER_COMPILED = [t for t in COMPILED if t[0]["name"] not in NEWER_LIBTPU_EDGES]
+# cases for v6e too) with libtpu 0.0.21, it exports by default those at a limit (AT_A_LIMIT), which
+# the newer libtpu may judge otherwise; every other export runs under -m slow.
+EDGE_COMPILED = [t for t in COMPILED if t[0]["name"] in AT_A_LIMIT]
+OTHER_COMPILED = [t for t in COMPILED if t[0]["name"] not in AT_A_LIMIT]
 
 
 @pytest.mark.torchtpu
@@ -400,10 +404,12 @@ def test_every_program_exported_for_torchtpu_compiles_for_tpu(torchtpu_other_res
     _assert_compiled(torchtpu_other_results, case, kind, generation)
 
 
+V7X_COMPILED = [(case, "v7x", kind) for case in DEFAULT if case["name"] in ALSO_V6E for kind in case["kinds"]]
+
+
 @pytest.mark.torchtpu
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("case", [c for c in DEFAULT if c["name"] in ALSO_V6E], ids=lambda c: c["name"])
-def test_program_exported_for_torchtpu_compiles_for_v7x(torchtpu_results, case, kind):
+@pytest.mark.parametrize("case,generation,kind", V7X_COMPILED, ids=_ids(V7X_COMPILED))
+def test_program_exported_for_torchtpu_compiles_for_v7x(torchtpu_results, case, generation, kind):
     assert "v7x" in NEWEST_GENERATIONS, f"libtpu {LIBTPU_RELEASE} in {LIBTPU} knows no v7x topology"
     _assert_compiled(torchtpu_results, case, kind, "v7x")
 
@@ -414,15 +420,13 @@ def _exported(cases) -> dict:
 
 @pytest.fixture(scope="module")
 def torchtpu_results():
-    edges = [dict(c, generations=c["generations"] + ["v7x"]) for c in DEFAULT if c["name"] in NEWER_LIBTPU_EDGES]
-    return _exported(
-        edges + [dict(c, generations=["v7x"]) for c in DEFAULT if c["name"] in ALSO_V6E - NEWER_LIBTPU_EDGES]
-    )
+    edges = [dict(c, generations=c["generations"] + ["v7x"]) for c in DEFAULT if c["name"] in AT_A_LIMIT]
+    return _exported(edges + [dict(c, generations=["v7x"]) for c in DEFAULT if c["name"] in ALSO_V6E - AT_A_LIMIT])
 
 
 @pytest.fixture(scope="module")
 def torchtpu_other_results():
-    return _exported([c for c in DEFAULT if c["name"] not in NEWER_LIBTPU_EDGES])
+    return _exported([c for c in DEFAULT if c["name"] not in AT_A_LIMIT])
 
 
 # The decode kernel's programs (torch_splash_jax.decode: forward only): decode steps of every kind it
