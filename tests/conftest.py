@@ -24,10 +24,27 @@ def pytest_configure(config):
     torch_xla.device()
 
 
-# The files that take minutes (measured with --durations on 2 cores), longest first. Workers take
-# whole files in collection order (dev.sh passes --no-loadscope-reorder): sent last, one of these
-# kept a worker busy for minutes after the other had finished.
-LONGEST_FILES = ("test_commands.py", "test_spmd.py", "test_tpu_compile.py", "test_memory.py", "test_hf.py")
+# The files that take longest (summed --durations on 2 cores, the larger of the two sets' sums),
+# longest first. Workers take whole files in collection order (dev.sh passes
+# --no-loadscope-reorder): sent last, one of these keeps a worker busy after the other has finished.
+LONGEST_FILES = (
+    "test_tpu_compile.py",
+    "test_fit.py",
+    "test_active_kernels.py",
+    "test_commands.py",
+    "test_flex.py",
+    "test_docs.py",
+    "test_tpu_time.py",
+    "test_hf.py",
+    "test_sequence_sharding.py",
+    "test_spmd.py",
+    "test_attention.py",
+    "test_ring.py",
+    "test_sdpa.py",
+    "test_torchtpu.py",
+    "test_masks.py",
+    "test_fit_loops.py",
+)
 
 
 # Files that need torch_xla throughout (the torch_xla set runs them; the current set has no

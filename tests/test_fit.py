@@ -54,9 +54,9 @@ def test_the_step_s_attention_time_is_estimated_beside_its_hbm():
     """check(..., estimate_time=True): the attention kernels' estimated time (the forward and
     backward kernels of the one call in the step, from libtpu 0.0.52's schedule) and XLA's own
     estimate of the rest."""
-    report = fit.check(*_step(splash, 2048, dtype=torch.bfloat16), topology="v5e", estimate_time=True)
+    report = fit.check(*_step(splash, 1024, dtype=torch.bfloat16), topology="v5e", estimate_time=True)
     assert report.fits and report.attention_calls == 1, report
-    q = torch.empty(1, 4, 2048, 64, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16, device="meta")
     alone = fit.kernel_time(q, q, q, "causal", generation="v5e")
     assert report.attention_seconds == pytest.approx(alone.kernel_seconds)
     assert report.rest_seconds is not None and report.rest_seconds > 0
