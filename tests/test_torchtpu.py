@@ -189,4 +189,8 @@ def test_torchtpu_s_chip_name_is_the_generation_its_kernels_are_planned_for(monk
 
     assert torch.tpu.get_device_name() == "TPU"  # this machine: no TPU on its PCI bus
     monkeypatch.setattr(torch.tpu, "get_device_name", lambda device=None: name)
-    assert _platform.generation_of(types.SimpleNamespace(type="tpu")) == generation
+    _platform._torchtpu_generation.cache_clear()  # read once a process: here, once a name
+    try:
+        assert _platform.generation_of(types.SimpleNamespace(type="tpu")) == generation
+    finally:
+        _platform._torchtpu_generation.cache_clear()

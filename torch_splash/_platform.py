@@ -5,6 +5,7 @@ building a TPU step on a machine without one); and for which TPU generation, whe
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -36,8 +37,8 @@ def generation_of(device: torch.device) -> str | None:
     CPU, a chip TorchTPU does not name: its kernels then are the ones that serve every generation)."""
     if getattr(_FOR_TPU, "on", False):
         return getattr(_FOR_TPU, "generation", None)
-    if device.type == "tpu":  # TorchTPU's public device module: "TPU v6e", "TPU v7"; "TPU" when unknown
-        return DEVICE_KINDS.get(torch.tpu.get_device_name(device))
+    if device.type == "tpu":
+        return _torchtpu_generation()
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -45,6 +46,13 @@ def generation_of(device: torch.device) -> str | None:
         if xr.device_type() == "TPU":
             return DEVICE_KINDS.get(xm.xla_device_kind(device))
     return None
+
+
+@functools.cache
+def _torchtpu_generation() -> str | None:
+    """The generation of the chip TorchTPU's public device module names ("TPU v6e", "TPU v7"; "TPU"
+    when it does not know the chip), which it reads from the PCI bus: once a process, not a call."""
+    return DEVICE_KINDS.get(torch.tpu.get_device_name())
 
 
 def platform_of(device: torch.device) -> str:
