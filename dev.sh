@@ -182,7 +182,7 @@ case "$cmd" in
   # the torch_xla set's venv (a machine without a TPU: --quick, or --parts estimates). torch_splash
   # goes at the end of the path, so that the machine's JAX stays first.
   tpu-check) py=python3
-    if ! python3 -c "import jax" 2>/dev/null; then install .venv 3.11 locks/xla-py311.txt; py=.venv/bin/python; fi
+    if ! python3 -c "import jax" 2>/dev/null; then install .venv 3.11 locks/xla-py311.txt; install_libtpu; py=.venv/bin/python; fi
     PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" exec "$py" -m torch_splash_jax.tpu_check "$@" ;;
   fit-llama) install_libtpu; exec .venv/bin/python examples/fit_llama.py "$@" ;;
   *) echo "usage: ./dev.sh demo | test [pytest args] | test-xla [pytest args] | test-current [pytest args] | bench | bench-masks | bench-memory | bench-hf |" \
