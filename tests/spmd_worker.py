@@ -296,6 +296,7 @@ def main(names):
                     ],
                     "out_sharding": _compat.sharding_spec(out),
                     "local_plan": [local.batch, local.num_q_heads, local.num_kv_heads, local.q_len],
+                    "kernels": [local.forward_kernel, local.backward_kernel],
                     "tpu_custom_calls": tpu_calls,
                     "tpu_fused": tpu_fused,
                     "tpu_separate_custom_calls": tpu_separate,

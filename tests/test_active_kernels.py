@@ -609,11 +609,24 @@ def test_a_stored_mask_s_lists_past_smem_are_refused_naming_the_kernel():
         torch_splash_jax.program(plan)
 
 
-def test_a_sharded_call_is_refused_for_the_active_kernels_before_any_kernel_work():
-    with pytest.raises(torch_splash_jax.SplashConstraintError, match="backward_kernel='active': the call is sharded"):
+@pytest.mark.parametrize(
+    "sharding,how",
+    [
+        (dict(q_shards=2), "along the query sequence"),
+        (dict(q_shards=2, context_parallel="ring"), r"along the query sequence \(a ring\)"),
+        (dict(head_shards=2, per_head=True), "over heads with one mask per head"),
+    ],
+)
+def test_a_call_whose_devices_run_other_lists_is_refused_for_the_active_kernels_before_any_kernel_work(sharding, how):
+    sharding = dict(sharding)
+    per_head = sharding.pop("per_head", False)
+    mask = sm.MultiHeadMask((sm.CausalMask(0), sm.FullMask()) * 4) if per_head else sm.CausalMask(0)
+    with pytest.raises(
+        torch_splash_jax.SplashConstraintError, match=f"backward_kernel='active': the call is sharded {how}"
+    ):
         torch_splash_jax.plan(
-            q_len=1024, num_q_heads=4, head_dim=64, dtype="bfloat16", mask=sm.CausalMask(0), q_shards=2,
-            block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"),
+            q_len=1024, num_q_heads=4, head_dim=64, dtype="bfloat16", mask=mask,
+            block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"), **sharding,
         )  # fmt: skip
 
 
@@ -650,7 +663,9 @@ def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
 def test_the_active_kernels_are_the_default_where_their_lists_surely_fit_smem():
     """`BlockSizes` left None: the active kernels for an unsharded call whose lists surely fit SMEM
     (causal to 641,024 tokens, where the test below builds them), JAX's kernels past that, for a
-    pass whose JAX blocks the caller set, and for sharded calls."""
+    pass whose JAX blocks the caller set, and for calls sharded along the query sequence or over
+    heads with one mask per head (each device's lists differ); heads sharded with one mask for all
+    of them keep the active kernels (every device runs the same lists)."""
 
     def kernels(length: int, **options):
         plan = torch_splash_jax.plan(
@@ -666,6 +681,13 @@ def test_the_active_kernels_are_the_default_where_their_lists_surely_fit_smem():
     assert kernels(4096, blocks=dict(use_fused_bwd_kernel=False)) == ("active", "splash")
     assert kernels(4096, blocks=dict(forward_kernel="splash")) == ("splash", "splash")
     assert kernels(4096, q_shards=2) == ("splash", "splash")
+    assert kernels(4096, q_shards=2, context_parallel="ring") == ("splash", "splash")
+    assert kernels(4096, head_shards=2) == ("active", "active")
+    per_head = torch_splash_jax.plan(
+        q_len=4096, num_q_heads=2, head_dim=128, dtype="bfloat16", platform="tpu", head_shards=2,
+        mask=sm.MultiHeadMask((sm.CausalMask(0), sm.LocalMask(64, 0)) * 2),
+    )  # fmt: skip
+    assert (per_head.forward_kernel, per_head.backward_kernel) == ("splash", "splash")
 
 
 def test_an_active_block_list_past_smem_is_refused_naming_the_kernel():

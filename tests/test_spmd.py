@@ -44,6 +44,12 @@ EXPECTED = {
     "ring-heads-seq-per-head-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 2, 1, 100]),
     "ring-seq4-tensor-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
 }
+# Calls whose every device runs the same block lists (sharded over batch, or over heads with one
+# mask for all of them): the active-block kernels, as unsharded; the rest JAX's splash kernels.
+ACTIVE = {
+    "batch", "heads-gqa", "batch-and-heads-mqa", "inputs-not-marked", "batch-and-heads-gqa-sinks",
+    "all-devices-on-batch-sinks",
+}  # fmt: skip
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
     "batch-does-not-split": "batch size 3 does not split over 2 batch shards",
@@ -109,6 +115,7 @@ def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
     assert len(result["grads"]) == (4 if "sinks" in case else 3)
     assert result["out_sharding"] == out_sharding  # the output stays sharded like q
     assert result["local_plan"] == local  # each device's kernels ran at its shard's shapes
+    assert result["kernels"] == (["active"] * 2 if case in ACTIVE else ["splash"] * 2)
     if case.startswith("ring-"):  # one step per sequence shard; dk, dv sharded along the sequence as k
         sequence_shards = 4 if "seq4" in case else 2
         assert result["ring_steps"] == [sequence_shards]

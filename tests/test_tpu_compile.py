@@ -144,10 +144,8 @@ DEFAULT = [
     _case("head-dim-512-planned", 2, 1, 1024, 1024, 512, "float32", "CausalMask(0)"),
     # The shard-local programs of the SPMD path: a (2, 2) mesh over batch and heads, B=4, GQA 8/2
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1,
-    # through JAX's kernels (a call sharded over heads takes them)
-    _case(
-        "spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True, blocks=SPLASH
-    ),
+    # through the active kernels (every device runs the same lists)
+    _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
     # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
     # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap
     # and sinks in float32 off the 128 grid at head_dim 64 (dq's buffer padded to the lanes); MQA at
@@ -471,6 +469,7 @@ def test_training_step_compiles_for_one_chip():
     results = {r["step"]: r for r in _worker("step")}
     assert "error" not in results["splash"], results["splash"]
     assert results["splash"]["mosaic_calls"] == _step_mosaic_calls() == 2 * 2
+    assert results["splash"]["active_kernels"] == [True, True]
     assert "error" not in results["sdpa"], results["sdpa"]
     assert results["sdpa"]["mosaic_calls"] == 0
 
@@ -478,10 +477,12 @@ def test_training_step_compiles_for_one_chip():
 @pytest.mark.xla
 def test_spmd_training_step_compiles_for_a_4_chip_mesh():
     """The same step under SPMD on a (2, 2) mesh (batch and heads), compiled with its sharding
-    for the 4 chips of v5e:2x2: the shard-local kernels inside the manual-sharding region."""
+    for the 4 chips of v5e:2x2: the shard-local kernels inside the manual-sharding region, the
+    active-block kernels (sharded over heads with one mask, every device runs the same lists)."""
     results = {r["step"]: r for r in _worker("spmd-step")}
     assert "error" not in results["splash"], results["splash"]
     assert results["splash"]["mosaic_calls"] == _step_mosaic_calls()
+    assert results["splash"]["active_kernels"] == [True, True]
     assert results["splash"]["sharded"] > 0
     assert "error" not in results["sdpa"], results["sdpa"]
 

@@ -320,6 +320,7 @@ def step(spmd: bool) -> None:
                     bytes=memory.total,
                     temp=memory.temp,
                     mosaic_calls=text.count('custom_call_target="tpu_custom_call"'),
+                    active_kernels=[name in text for name in ("active_forward", "active_backward")],
                     sharded=text.count("sharding={devices=["),
                 )
             except Exception as exc:

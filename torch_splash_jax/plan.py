@@ -200,7 +200,8 @@ def plan(
         has_segment_ids,
         soft_cap is not None,
     )
-    sharded = q_shards > 1 or head_shards > 1 or ring
+    # Heads sharded with one mask for all of them leave every device the same tables: not sharded here.
+    sharded = q_shards > 1 or ring or (head_shards > 1 and per_head)
     forward_kernel, backward_kernel = _kernels(
         block_sizes, sharded, mask, q_pad, kv_pad, kv_len, max(head_dim, head_dim_v), table_heads
     )
@@ -248,8 +249,9 @@ def _kernels(
 ):
     """(forward, backward) kernels: the caller's (a backward left None follows an explicit forward),
     else the active-block kernels wherever they serve the call, JAX's splash kernels where they do
-    not: sharded and ring calls, lists that may outgrow SMEM (`_active_lists_fit`), and a pass
-    whose JAX blocks the caller set. The active kernels are the faster on every call measured on
+    not: calls sharded along the query sequence, ring calls, one mask per head sharded over heads
+    (`sharded`: each device's lists differ), lists that may outgrow SMEM (`_active_lists_fit`), and
+    a pass whose JAX blocks the caller set. The active kernels are the faster on every call measured on
     the v5e and, for the training step, faster or level on every call estimated for v5p, v6e and
     v7x but one mask per head on v5p (docs/tpu.md); the choice does not depend on `generation`."""
     forward = block_sizes.forward_kernel
@@ -291,14 +293,23 @@ def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
 
 
 def _check_active(forward: str, backward: str, mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
-    """The calls the active-block kernels serve: unsharded ones (any mask: structured masks are
-    evaluated in the kernel, data and per-head masks read from stored blocks)."""
+    """The calls the active-block kernels serve: those whose every device runs the same block
+    lists (any mask: structured masks are evaluated in the kernel, data and per-head masks read from
+    stored blocks), so unsharded calls and calls sharded over batch or heads, but for one mask per
+    head sharded over heads; not calls sharded along the query sequence, nor rings."""
     option = "forward_kernel" if forward == "active" else "backward_kernel" if backward == "active" else None
-    if option is not None and (q_shards > 1 or head_shards > 1 or context_parallel == "ring"):
-        raise SplashConstraintError(
-            f"block_sizes.{option}='active': the call is sharded over devices; the active-block kernels "
-            f"serve unsharded calls. Use {option}='splash' (or None) for this call."
-        )
+    if option is None:
+        return
+    if q_shards > 1 or context_parallel == "ring":
+        how = "along the query sequence" + (" (a ring)" if context_parallel == "ring" else "")
+    elif head_shards > 1 and isinstance(mask, MultiHeadMask):
+        how = "over heads with one mask per head"
+    else:
+        return
+    raise SplashConstraintError(
+        f"block_sizes.{option}='active': the call is sharded {how}, and the active-block kernels "
+        f"serve calls whose every device runs the same block lists. Use {option}='splash' (or None) for this call."
+    )
 
 
 def ring_steps(plan: Plan) -> list[Plan]:
