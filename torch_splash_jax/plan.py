@@ -253,7 +253,7 @@ def _kernels(
     (`sharded`: each device's lists differ), lists that may outgrow SMEM (`_active_lists_fit`), and
     a pass whose JAX blocks the caller set. The active kernels are the faster on every call measured on
     the v5e and, for the training step, faster or level on every call estimated for v5p, v6e and
-    v7x but one mask per head on v5p (docs/tpu.md); the choice does not depend on `generation`."""
+    v7x (docs/tpu.md); the choice does not depend on `generation`."""
     forward = block_sizes.forward_kernel
     backward = block_sizes.backward_kernel or forward
 

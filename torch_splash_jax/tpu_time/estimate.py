@@ -278,14 +278,17 @@ def _itemsize(dtype: str) -> int:
 
 
 def _active_lists(active, shared_units: int, calls: int):
-    """An active kernel's block lists as its program runs them, the units that run each and a
-    stored mask's block index: a shared list's units are the heads it serves in all (`shared_units`);
-    with one list a query head, every list is one unit's share and the units the kernel calls
-    (`calls`: the batch, a call each). A stored mask's lists are the rounded ones of its inputs."""
+    """An active kernel's block lists as its program runs them, the units that run them, a stored
+    mask's block index and the lists each unit walks: a shared list's units are the heads it serves
+    in all (`shared_units`), one list each; with one list a query head, the units are the kernel's
+    calls (`calls`: the batch, a call each), each walking every list (`Work.per_list` counts them
+    as a unit a list, as a two-core chip splits them). A stored mask's lists are the rounded ones of
+    its inputs."""
     if active.stored is None:
-        return active.grid, shared_units, None
+        return active.grid, shared_units, None, 1
     grid = active.stored[:4]
-    return grid, calls if grid[0].shape[0] > 1 else shared_units, active.stored[4]
+    lists = grid[0].shape[0]
+    return grid, calls if lists > 1 else shared_units, active.stored[4], lists
 
 
 def splash_works(program) -> dict[str, Work]:
@@ -305,11 +308,11 @@ def splash_works(program) -> dict[str, Work]:
         units=p.batch * p.num_q_heads, head_dim=p.head_dim, head_dim_v=p.head_dim_v, itemsize=_itemsize(p.dtype)
     )
     if program.active is not None:  # the active-block forward
-        grid, units, index = _active_lists(program.active, p.batch * p.num_q_heads, p.batch)
+        grid, units, index, lists = _active_lists(program.active, p.batch * p.num_q_heads, p.batch)
         works = {
             "forward": active_work(
                 grid, program.active.blocks, **dict(common, units=units), has_segment_ids=ids, block_index=index
-            )
+            ).per_list(lists)
         }
     else:
         works = {
@@ -319,18 +322,18 @@ def splash_works(program) -> dict[str, Work]:
         }
     if program.active_backward is not None:
         b = program.active_backward
-        grid, units, index = _active_lists(b, p.batch * p.num_kv_heads, p.batch)
+        grid, units, index, lists = _active_lists(b, p.batch * p.num_kv_heads, p.batch)
         works["dkv"] = active_backward_work(
             grid,
             b.blocks,
             units=units,
-            group=1 if grid[0].shape[0] > 1 else p.num_q_heads // p.num_kv_heads,
+            group=1 if lists > 1 else p.num_q_heads // p.num_kv_heads,
             block_index=index,
             head_dim=p.head_dim,
             head_dim_v=p.head_dim_v,
             itemsize=common["itemsize"],
             has_segment_ids=ids,
-        )
+        ).per_list(lists)
         return works
     if infos.get("dq") is not None:
         works["dq"] = tables_work(

@@ -36,6 +36,26 @@ class Work:
     def run(self) -> int:
         return self.full + self.partial
 
+    def per_list(self, lists: int) -> Work:
+        """This work, counted for units that each walk `lists` block lists (one a query head), as
+        that many units of one list each: the lists are the kernel grid's parallel axis, which a
+        two-core chip splits between its cores. Counts become each list's average (every list is
+        padded to the same steps); flops and bytes, the whole call's, stay."""
+        if lists == 1:
+            return self
+
+        def share(n):
+            return n // lists if n % lists == 0 else n / lists
+
+        counts = {f: share(getattr(self, f)) for f in ("steps", "first", "last", "full", "partial")}
+        return dataclasses.replace(
+            self,
+            units=self.units * lists,
+            tiles=tuple(share(n) for n in self.tiles),
+            patterns=tuple(share(n) for n in self.patterns),
+            **counts,
+        )
+
 
 def block_classes(mask_fn, q_len: int, kv_len: int, block_q: int, block_kv: int) -> np.ndarray:
     """(q blocks, kv blocks) int8: 0 skipped, 1 partial, 2 full, for a mask given as
