@@ -426,13 +426,11 @@ def test_the_active_kernels_reading_a_stored_mask_are_estimated_with_its_block_r
     # the full heads' lists are longer: the causal ones pad to them, a step each
     assert mixed["forward"].steps == 8 * 16
     assert stored["forward"].schedule_seconds < mixed["forward"].schedule_seconds
-    # the lists are the grids' parallel axis: v5p's two cores take half of them each, as they take
-    # half the heads of a shared list
-    two_cores = {k.kind: k for k in _estimate("v5p", True, mask=per_head, **shape).kernels}
-    assert (two_cores["forward"].steps, two_cores["dkv"].steps) == (
-        mixed["forward"].steps // 2,
-        mixed["dkv"].steps // 2,
-    )
+    # the lists are the grids' parallel axis, a unit each (which a two-core chip splits between its
+    # cores: test_one_unit_walking_a_list_a_head_is_split_over_two_cores_as_a_unit_a_list)
+    plan = torch_splash_jax.plan(platform="tpu", mask=per_head, **shape)
+    works = tpu_time.splash_works(torch_splash_jax.program(plan))
+    assert (works["forward"].units, works["forward"].steps, works["dkv"].units) == (8, 16, 8)
 
 
 @pytest.mark.torchtpu
