@@ -346,8 +346,10 @@ def _planned(
 
 # The active-block forward's blocks on v5e (measured, B=1, bf16, 16/16 heads, causal, full and a
 # 4096 window at 16K and 32K: docs/tpu.md "The active-block forward"): 2048 x 2048 blocks in
-# 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks (2048 ran at
-# half the rate).
+# 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks (2048: the
+# forward 0.98x, the step 1.50x). 4096-row q blocks, whose partial blocks take 1024-row tiles, ran
+# causal 2.1x, a window 3.0x as long, where the estimate saw 0.98x and 1.11x: it does not choose
+# these (docs/tpu_time.md).
 ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIVE_TILE_ROWS = 2048, 2048, 1024, 512, 512
 ACTIVE_BACKWARD_BLOCK_Q = 1024
 # With a mask read from stored blocks, a partial entry also reads its block of the mask, which TPU
