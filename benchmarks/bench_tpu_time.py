@@ -177,8 +177,29 @@ def _tokamax_row(case: tuple) -> dict | None:
     blocks = "/".join(str(entry.config[k]) for k in ("block_q", "block_kv", "block_kv_compute"))
     forward_ms = result.seconds(tpu_time.CLOCK_FACTOR.get(generation, 1.0), tpu_time.ROW_STALL) * 1e3
     measured = entry.measured_ms if cache == generation else None  # v5p's time is no v5e measurement
+    vjp = _tokamax_vjp_ms(nearest, cache) if measured else None
     return dict(blocks=blocks, forward_ms=forward_ms, measured_ms=measured, cached_at=nearest.q[1], cache=cache,
-                cached_batch=nearest.q[0], cached_heads=f"{nearest.q[2]}/{nearest.k[2]}")  # fmt: skip
+                cached_batch=nearest.q[0], cached_heads=f"{nearest.q[2]}/{nearest.k[2]}",
+                **({"vjp_measured_ms": vjp} if vjp else {}))  # fmt: skip
+
+
+def _tokamax_vjp_ms(forward, generation: str) -> float | None:
+    """The time tokamax's cache for `generation` measured for its vjp op (its backward: the fused dkv
+    kernel and the XLA ops around it) at a measured forward's very shapes and mask, or None where it
+    measured none."""
+    from torch_splash_jax.errors import SplashConstraintError
+    from torch_splash_jax.tpu_time import calibration
+
+    try:
+        entries = calibration.tokamax_entries(generation, "backward")
+    except SplashConstraintError:  # no vjp measured on that chip
+        return None
+    same = [
+        e
+        for e in entries
+        if (e.q, e.k, e.v, e.dtype, e.causal) == (forward.q, forward.k, forward.v, forward.dtype, forward.causal)
+    ]
+    return same[0].measured_ms if same else None
 
 
 def _tokamax_refusal(length: int, heads: int, kv_heads: int, dim: int, window: int) -> str:

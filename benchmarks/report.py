@@ -569,6 +569,33 @@ def _tpu_time_comparison(rows: list) -> list[str]:
             + "; ".join(f"{g} {min(v):.2f}x to {max(v):.2f}x" for g, v in ranges.items())
             + ".",
         ]
+    return lines + _tpu_time_against_vjp(rows)
+
+
+def _tpu_time_against_vjp(rows: list) -> list[str]:
+    """Forward + backward against tokamax's, where its cache measured both its forward and its vjp
+    op at the row's very shape."""
+    both = [r for r in rows if (r.get("tokamax") or {}).get("vjp_measured_ms") and "step_ms" in r.get("active", {})]
+    if not both:
+        return []
+    lines = [
+        "",
+        "Forward + backward against tokamax's measured forward plus its measured vjp op, where its cache "
+        "measured both at the row's shape (the vjp op's time holds the XLA ops around its kernel, the "
+        "transposes into its layout and back; the active kernels' estimate is the kernels alone):",
+        "",
+        "| chip | mask | L | heads | D | tokamax fwd + vjp, measured ms | active fwd+bwd, estimated ms "
+        "| active / tokamax |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in both:
+        tk, active = r["tokamax"], r["active"]
+        total = tk["measured_ms"] + tk["vjp_measured_ms"]
+        lines.append(
+            f"| {r['generation']} | {r['mask']} | {r['L'] // 1024}K | {r['heads']}/{r['kv_heads']} | {r['head_dim']} "
+            f"| {tk['measured_ms']:.3f} + {tk['vjp_measured_ms']:.3f} = {total:.3f} | {active['step_ms']:.3f} "
+            f"| {active['step_ms'] / total:.2f} |"
+        )
     return lines
 
 

@@ -382,6 +382,32 @@ def test_the_comparison_says_tokamax_refuses_a_window():
     assert said.startswith("refused: NotImplementedError"), said
 
 
+@pytest.mark.torchtpu
+def test_the_comparison_takes_tokamax_s_vjp_time_at_its_forward_s_very_shape():
+    """tokamax's cache measured its vjp op on v7x (not on v5p or v6e): the comparison adds it to a
+    forward measured at the same shapes and mask, and at no other (tokamax 0.0.17's cache: causal
+    16K, 16/16 heads, D=128, 8.247 ms)."""
+    pytest.importorskip("tokamax", reason="the current set's calibrate extra")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_tpu_time
+
+    from torch_splash_jax.tpu_time import calibration
+
+    def forward(generation, q_len, heads, dim, causal=True):
+        (entry,) = [
+            e
+            for e in calibration.tokamax_entries(generation)
+            if e.q == (1, q_len, heads, dim) and e.k == e.q and e.residuals and (e.causal is not None) == causal
+        ]
+        return entry
+
+    assert bench_tpu_time._tokamax_vjp_ms(forward("v7x", 16384, 16, 128), "v7x") == 8.247
+    assert bench_tpu_time._tokamax_vjp_ms(forward("v7x", 16384, 16, 128, causal=False), "v7x") == 12.132
+    assert bench_tpu_time._tokamax_vjp_ms(forward("v5p", 16384, 16, 128), "v5p") is None
+    other = dataclasses.replace(forward("v7x", 16384, 16, 128), q=(1, 16384, 16, 128), k=(1, 16384, 8, 128))
+    assert bench_tpu_time._tokamax_vjp_ms(other, "v7x") is None
+
+
 def test_v5e_s_clock_factor_is_the_one_the_real_chip_fits():
     """The estimator held to the chip: tokamax measured no attention on v5e, so v5e's clock factor
     is fitted to the real v5e's training forwards (tpu_check's results with the estimator's own
