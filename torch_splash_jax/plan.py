@@ -200,8 +200,7 @@ def plan(
         has_segment_ids,
         soft_cap is not None,
     )
-    # Heads sharded with one mask for all of them leave every device the same tables: not sharded here.
-    sharded = q_shards > 1 or ring or (head_shards > 1 and per_head)
+    sharded = _devices_differ(mask, q_shards, head_shards, context_parallel) is not None
     forward_kernel, backward_kernel = _kernels(
         block_sizes, sharded, mask, q_pad, kv_pad, kv_len, max(head_dim, head_dim_v), table_heads
     )
@@ -298,18 +297,23 @@ def _check_active(forward: str, backward: str, mask, q_shards: int, head_shards:
     stored blocks), so unsharded calls and calls sharded over batch or heads, but for one mask per
     head sharded over heads; not calls sharded along the query sequence, nor rings."""
     option = "forward_kernel" if forward == "active" else "backward_kernel" if backward == "active" else None
-    if option is None:
-        return
+    how = _devices_differ(mask, q_shards, head_shards, context_parallel)
+    if option is not None and how is not None:
+        raise SplashConstraintError(
+            f"block_sizes.{option}='active': the call is sharded {how}, and the active-block kernels serve "
+            f"calls whose every device runs the same block lists. Use {option}='splash' (or None) for this call."
+        )
+
+
+def _devices_differ(mask, q_shards: int, head_shards: int, context_parallel: str) -> str | None:
+    """How a call is sharded such that its devices' block tables differ ("along the query
+    sequence", "... (a ring)", "over heads with one mask per head"), or None where every device
+    runs the same ones (unsharded, or sharded over batch, or over heads with one mask for all)."""
     if q_shards > 1 or context_parallel == "ring":
-        how = "along the query sequence" + (" (a ring)" if context_parallel == "ring" else "")
-    elif head_shards > 1 and isinstance(mask, MultiHeadMask):
-        how = "over heads with one mask per head"
-    else:
-        return
-    raise SplashConstraintError(
-        f"block_sizes.{option}='active': the call is sharded {how}, and the active-block kernels "
-        f"serve calls whose every device runs the same block lists. Use {option}='splash' (or None) for this call."
-    )
+        return "along the query sequence" + (" (a ring)" if context_parallel == "ring" else "")
+    if head_shards > 1 and isinstance(mask, MultiHeadMask):
+        return "over heads with one mask per head"
+    return None
 
 
 def ring_steps(plan: Plan) -> list[Plan]:
