@@ -92,3 +92,20 @@ def xla_device():
     import torch_xla
 
     return torch_xla.device()
+
+
+@pytest.fixture
+def small_active_blocks(monkeypatch):
+    """The active kernels planned with 256 x 256 blocks in 128 x 128 tiles: lists of several blocks
+    (and tiles) at the short lengths interpret mode runs in seconds. The programs built meanwhile
+    are dropped before and after (the blocks are not part of the plan the cache is keyed on)."""
+    import torch_splash_jax
+    from torch_splash_jax import block_planning
+
+    for name in ("ACTIVE_BLOCK_Q", "ACTIVE_BLOCK_KV", "ACTIVE_BLOCK_KV_WIDE_HEADS", "ACTIVE_BACKWARD_BLOCK_Q"):
+        monkeypatch.setattr(block_planning, name, 256)
+    for name in ("ACTIVE_CHUNK", "ACTIVE_TILE_ROWS"):
+        monkeypatch.setattr(block_planning, name, 128)
+    torch_splash_jax.program.cache_clear()
+    yield
+    torch_splash_jax.program.cache_clear()

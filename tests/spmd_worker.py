@@ -123,17 +123,14 @@ def ring_mosaic_calls(program, args):
     p, step = program.plan, 1
     tables = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.steps[step].device_tables(0)]
     kernel_args = args[: 5 if p.has_segment_ids else 3]  # the steps see no sinks
-    rows, kv = (p.batch, p.num_q_heads, p.q_len), (p.batch, p.num_kv_heads, p.kv_len)
+    rows = (p.batch, p.num_q_heads, p.q_len)
     f32 = jnp.float32
-    accumulators = [jax.ShapeDtypeStruct(rows + (p.head_dim_v,), f32), jax.ShapeDtypeStruct(rows, f32)]
+    accumulators = program.accumulators("forward", step)
     forward = jax.export.export(program.forward[step], platforms=["tpu"])(*kernel_args, *tables, *accumulators)
     out = jax.ShapeDtypeStruct(rows + (p.head_dim_v,), f32)
     lse = jax.ShapeDtypeStruct(rows[:2] + (p.q_len_padded,), f32)
-    grads = [
-        jax.ShapeDtypeStruct(shape, f32) for shape in (rows + (p.head_dim,), kv + (p.head_dim,), kv + (p.head_dim_v,))
-    ]
     backward = jax.export.export(program.backward[step], platforms=["tpu"])(
-        *kernel_args, *tables, out, lse, out, *grads
+        *kernel_args, *tables, out, lse, out, *program.accumulators("backward", step)
     )
     return [exported.mlir_module().count("custom_call @tpu_custom_call") for exported in (forward, backward)]
 

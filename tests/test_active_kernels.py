@@ -612,22 +612,25 @@ def test_a_stored_mask_s_lists_past_smem_are_refused_naming_the_kernel():
 @pytest.mark.parametrize(
     "sharding,how",
     [
-        (dict(q_shards=2), "along the query sequence"),
-        (dict(q_shards=2, context_parallel="ring"), r"along the query sequence \(a ring\)"),
-        (dict(head_shards=2, per_head=True), "over heads with one mask per head"),
+        (dict(q_shards=2), "along the query sequence with a mask read from stored blocks"),
+        (dict(q_shards=2, context_parallel="ring"), r"along the query sequence \(a ring\) with a mask read"),
+        (dict(head_shards=2), "over heads with one mask per head"),
     ],
 )
-def test_a_call_whose_devices_run_other_lists_is_refused_for_the_active_kernels_before_any_kernel_work(sharding, how):
-    sharding = dict(sharding)
-    per_head = sharding.pop("per_head", False)
-    mask = sm.MultiHeadMask((sm.CausalMask(0), sm.FullMask()) * 4) if per_head else sm.CausalMask(0)
+def test_a_call_whose_devices_need_their_own_stored_blocks_is_refused_for_the_active_kernels(sharding, how):
+    """Before any kernel work. The same calls with a structured mask every head shares are served
+    (each device's list and positions its inputs)."""
+    per_head = sm.MultiHeadMask((sm.CausalMask(0), sm.FullMask()) * 4)
+    heads = 8 // sharding.get("head_shards", 1)  # one device's of the mask's 8
+    options = dict(q_len=1024, num_q_heads=heads, head_dim=64, dtype="bfloat16", **sharding)
+    active = torch_splash_jax.BlockSizes(backward_kernel="active")
     with pytest.raises(
         torch_splash_jax.SplashConstraintError, match=f"backward_kernel='active': the call is sharded {how}"
     ):
-        torch_splash_jax.plan(
-            q_len=1024, num_q_heads=4, head_dim=64, dtype="bfloat16", mask=mask,
-            block_sizes=torch_splash_jax.BlockSizes(backward_kernel="active"), **sharding,
-        )  # fmt: skip
+        torch_splash_jax.plan(mask=per_head, block_sizes=active, **options)
+    served = torch_splash_jax.plan(mask=sm.CausalMask(0), block_sizes=active, **options)
+    assert served.backward_kernel == "active"
+    assert torch_splash_jax.plan(mask=sm.CausalMask(0), **options).forward_kernel == "active"
 
 
 @pytest.mark.parametrize("field", ["forward_kernel", "backward_kernel"])
@@ -663,9 +666,10 @@ def test_the_estimator_s_work_counts_the_tiles_each_partial_block_takes():
 def test_the_active_kernels_are_the_default_where_their_lists_surely_fit_smem():
     """`BlockSizes` left None: the active kernels for an unsharded call whose lists surely fit SMEM
     (causal to 641,024 tokens, where the test below builds them), JAX's kernels past that, for a
-    pass whose JAX blocks the caller set, and for calls sharded along the query sequence or over
-    heads with one mask per head (each device's lists differ); heads sharded with one mask for all
-    of them keep the active kernels (every device runs the same lists)."""
+    pass whose JAX blocks the caller set, and for calls sharded over heads with one mask per head
+    (each device would need its own stored blocks); calls sharded over heads with one mask for all,
+    and along the query sequence (all-gather or ring, each device's list its input), keep the
+    active kernels. A call whose JAX tables would outgrow SMEM is refused only where a JAX kernel runs."""
 
     def kernels(length: int, **options):
         plan = torch_splash_jax.plan(
@@ -680,9 +684,14 @@ def test_the_active_kernels_are_the_default_where_their_lists_surely_fit_smem():
     assert kernels(4096, blocks=dict(block_q_dkv=512)) == ("active", "splash")
     assert kernels(4096, blocks=dict(use_fused_bwd_kernel=False)) == ("active", "splash")
     assert kernels(4096, blocks=dict(forward_kernel="splash")) == ("splash", "splash")
-    assert kernels(4096, q_shards=2) == ("splash", "splash")
-    assert kernels(4096, q_shards=2, context_parallel="ring") == ("splash", "splash")
+    assert kernels(4096, q_shards=2) == ("active", "active")
+    assert kernels(4096, q_shards=2, context_parallel="ring") == ("active", "active")
     assert kernels(4096, head_shards=2) == ("active", "active")
+    # a ring whose JAX tables outgrow SMEM (past 4.25M tokens over 16 devices) runs the active kernels
+    ring = dict(context_parallel="ring", sequence_layout="balanced")
+    assert kernels(6 << 20, q_shards=16, **ring) == ("active", "active")
+    with pytest.raises(torch_splash_jax.SplashConstraintError, match="SMEM"):  # past both: 1M a device
+        kernels(4 << 20, q_shards=4, **ring)
     per_head = torch_splash_jax.plan(
         q_len=4096, num_q_heads=2, head_dim=128, dtype="bfloat16", platform="tpu", head_shards=2,
         mask=sm.MultiHeadMask((sm.CausalMask(0), sm.LocalMask(64, 0)) * 2),

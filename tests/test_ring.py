@@ -18,11 +18,16 @@ from torch_splash_jax import SplashConstraintError
 from torch_splash_jax import masks as M
 
 _BLOCKS = torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
+# The ring on each kernel: JAX's at the blocks above, or the active kernels (planned: the tests
+# that take them also take the `small_active_blocks` fixture, so that lists have several blocks).
+KERNELS = {"splash": _BLOCKS, "active": None}
 
 
-def ring_reproduces_the_unsharded_call(mask, length, shards, layout, kv_heads=2, ids=False, sinks=False):
+def ring_reproduces_the_unsharded_call(
+    mask, length, shards, layout, kv_heads=2, ids=False, sinks=False, kernels="splash"
+):
     """Runs the unsharded program, then the ring device by device, and compares."""
-    options = dict(kv_heads=kv_heads, has_segment_ids=ids, has_sinks=sinks, block_sizes=_BLOCKS)
+    options = dict(kv_heads=kv_heads, has_segment_ids=ids, has_sinks=sinks, block_sizes=KERNELS[kernels])
     full, plan = sharded_plans(mask, length, shards, layout, context_parallel="ring", **options)
     rng = np.random.default_rng(0)
     q, k, v, d_out = (
@@ -32,6 +37,7 @@ def ring_reproduces_the_unsharded_call(mask, length, shards, layout, kv_heads=2,
     doc = jnp.asarray(np.stack([np.arange(length) // 300, np.arange(length) // 170]), jnp.int32)
     sink = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
     extra = ([doc, doc] if ids else []) + ([] if sink is None else [sink])
+    assert plan.forward_kernel == plan.backward_kernel == kernels
     whole = torch_splash_jax.program(full)
     tables = whole.tables()  # a mask read from stored blocks: its tables and blocks
     out, lse = whole.forward(q, k, v, *extra, *tables)
@@ -101,13 +107,10 @@ def ring_device_by_device(plan, q, k, v, d_out, ids=None, sink=None) -> list[np.
     return got
 
 
-# Every family in both layouts; the default run takes the families that tests/test_spmd.py's default
-# ring cases (causal in both layouts, per-head) leave out (about 15 s each on 2 cores), -m slow the rest.
-_DEFAULT = {
-    ("chunked", "balanced"),
-    ("prefix-lm", "contiguous"),
-    ("tensor", "contiguous"),
-}
+# Every family in both layouts on JAX's kernels, which a ring runs by default for masks read from
+# stored blocks: the default run takes a tensor mask (tests/test_spmd.py's default ring cases run
+# per-head masks), -m slow the rest; structured masks run on the active kernels below.
+_DEFAULT = {("tensor", "contiguous")}
 _CASES = [
     pytest.param(mask, layout, marks=[] if (mask, layout) in _DEFAULT else [pytest.mark.slow])
     for mask in list(MASKS) + list(DATA_MASKS)
@@ -129,16 +132,48 @@ def test_ring_reproduces_the_unsharded_call(mask, layout):
     )
 
 
-def test_bfloat16_ring_gradients_against_float64():
+# The active kernels in a ring (structured masks: the kernel evaluates them at each device's
+# positions): by default causal in the balanced layout with segment ids and sinks (every step with
+# work, several blocks a list), a window over contiguous shards (steps and devices without work),
+# and a prefix-LM over MQA; -m slow every other family.
+_ACTIVE_DEFAULT = {("causal", "balanced"), ("local", "contiguous"), ("prefix-lm", "balanced")}
+_ACTIVE_CASES = [
+    pytest.param(mask, layout, marks=[] if (mask, layout) in _ACTIVE_DEFAULT else [pytest.mark.slow])
+    for mask in MASKS
+    for layout in ("contiguous", "balanced")
+]
+
+
+@pytest.mark.parametrize("mask,layout", _ACTIVE_CASES)
+def test_ring_on_the_active_kernels_reproduces_the_unsharded_call(mask, layout, small_active_blocks):
+    ring = ring_reproduces_the_unsharded_call(
+        MASKS[mask],
+        2976,  # 744 rows a device, padded to 768: three 256-row blocks, chunks of the balanced layout across them
+        4,
+        layout,
+        kv_heads=1 if mask == "prefix-lm" else 2,
+        ids=mask != "prefix-lm",
+        sinks=mask in ("causal", "prefix-lm"),
+        kernels="active",
+    )
+    assert max(step.active.entries for step in ring.steps) > 1
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_bfloat16_ring_gradients_against_float64(kernels, request):
     """In bf16 each step's kernels round their results, and dk and dv travel the ring as bf16 sums
-    (as the all-gather strategy's partial sums are added): measured against a float64 reference,
-    the ring's output and dq (summed in float32) are as close as one device's, dk and dv within 3x
-    (about 2x over 8 devices here, 2.8x over 16 at L=4096)."""
+    (as the all-gather strategy's partial sums are added; the active kernels add each step's into
+    them in place, in float32 before rounding): measured against a float64 reference, the ring's
+    output and dq (summed in float32) are as close as one device's, dk and dv within 3x (about 2x
+    over 8 devices here, 2.8x over 16 at L=4096)."""
+    if kernels == "active":
+        request.getfixturevalue("small_active_blocks")
     length, heads, kv_heads, dim = 2048, 4, 2, 64
     common = dict(batch=1, q_len=length, kv_len=length, head_dim=dim, dtype="bfloat16", mask=M.CausalMask())
-    common |= dict(scale=dim**-0.5, num_q_heads=heads, num_kv_heads=kv_heads, block_sizes=_BLOCKS)
+    common |= dict(scale=dim**-0.5, num_q_heads=heads, num_kv_heads=kv_heads, block_sizes=KERNELS[kernels])
     full = torch_splash_jax.plan(**common)
     plan = torch_splash_jax.plan(q_shards=8, sequence_layout="balanced", context_parallel="ring", **common)
+    assert plan.forward_kernel == plan.backward_kernel == kernels
     rng = np.random.default_rng(0)
     shapes = [(1, heads, length, dim), (1, kv_heads, length, dim), (1, kv_heads, length, dim), (1, heads, length, dim)]
     q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes)
@@ -186,16 +221,19 @@ def test_what_the_ring_cannot_serve_is_refused_when_planned(options, match):
         torch_splash_jax.plan(**options)
 
 
-def test_ring_steps_without_work_skip_their_kernels():
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_ring_steps_without_work_skip_their_kernels(kernels):
     # causal over contiguous shards: at step s only the devices from s on see earlier keys; the
-    # others' tables are empty, which the step's lax.cond reads to skip the kernels there
-    _, plan = sharded_plans(M.CausalMask(), 4096, 4, "contiguous", context_parallel="ring", block_sizes=_BLOCKS)
+    # others' tables (lists) are empty, which the step's lax.cond reads to skip the kernels there
+    blocks = KERNELS[kernels]
+    _, plan = sharded_plans(M.CausalMask(), 4096, 4, "contiguous", context_parallel="ring", block_sizes=blocks)
+    assert plan.forward_kernel == kernels
     ring = torch_splash_jax.program(plan)
     assert [ring.steps[s].devices_with_work() for s in range(4)] == [[d >= s for d in range(4)] for s in range(4)]
     tables = [jnp.asarray(t) for t in ring.steps[1].device_tables(0)]
     assert not ring.steps[1].has_work(tables)  # traced: the conditional decides on the device
     # balanced: every device has work at every step, so the steps have no conditional at all
-    _, balanced = sharded_plans(M.CausalMask(), 4096, 4, "balanced", context_parallel="ring", block_sizes=_BLOCKS)
+    _, balanced = sharded_plans(M.CausalMask(), 4096, 4, "balanced", context_parallel="ring", block_sizes=blocks)
     ring = torch_splash_jax.program(balanced)
     assert all(ring.steps[s].has_work([]) is True for s in range(4))
 

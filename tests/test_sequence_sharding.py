@@ -18,10 +18,12 @@ _BALANCED_SLOW = {"full", "prefix-lm", "local-two-sided", "window-and-causal"}
 
 
 def _devices_reproduce_the_unsharded_call(
-    mask, length, shards, layout, head_shards=1, kv_heads=2, ids=False, sinks=False
+    mask, length, shards, layout, head_shards=1, kv_heads=2, ids=False, sinks=False, kernels="splash"
 ):
     """Runs the unsharded program, then each device's (sequence shard s, head shard g) program on
-    its rows, heads and tables, and compares."""
+    its rows, heads and tables, and compares. kernels: JAX's at 128 x 128 blocks, or the active
+    kernels as planned."""
+    jax_blocks = torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
     full, sharded = sharded_plans(
         mask,
         length,
@@ -31,8 +33,9 @@ def _devices_reproduce_the_unsharded_call(
         kv_heads=kv_heads,
         has_segment_ids=ids,
         has_sinks=sinks,
-        block_sizes=torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128),
+        block_sizes=jax_blocks if kernels == "splash" else None,
     )
+    assert sharded.forward_kernel == sharded.backward_kernel == kernels
     rng = np.random.default_rng(0)
     q, k, v, d_out = (
         jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -97,6 +100,19 @@ def test_shards_reproduce_the_unsharded_call(mask, layout):
     )
 
 
+@pytest.mark.parametrize(
+    "mask,layout",
+    [("causal", "balanced"), pytest.param("local", "contiguous", marks=pytest.mark.slow)]
+    + [pytest.param(mask, "balanced", marks=pytest.mark.slow) for mask in ("chunked", "prefix-lm", "full")],
+)
+def test_shards_on_the_active_kernels_reproduce_the_unsharded_call(mask, layout, small_active_blocks):
+    # each device's list and positions its inputs; 744 rows a device: several 256-row blocks
+    program = _devices_reproduce_the_unsharded_call(
+        MASKS[mask], 2976, 4, layout, kv_heads=1 if mask == "prefix-lm" else 2, ids=True, sinks=True, kernels="active"
+    )
+    assert program.active.entries > 1 and program.active_backward.entries > 1
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("mask", list(DATA_MASKS))
 def test_shards_reproduce_the_unsharded_call_with_stored_mask_blocks(mask, layout):
@@ -121,8 +137,10 @@ def test_head_shards_with_per_head_masks_take_their_heads_tables(sequence_shards
 
 
 def test_balanced_layout_evens_causal_blocks():
-    _, contiguous = sharded_plans(M.CausalMask(), 8192, 4, "contiguous", platform="tpu")
-    _, balanced = sharded_plans(M.CausalMask(), 8192, 4, "balanced", platform="tpu")
+    # the active kernels' blocks, 2048 x 2048: one chunk of the balanced layout each at 16K over 4
+    _, contiguous = sharded_plans(M.CausalMask(), 16384, 4, "contiguous", platform="tpu")
+    _, balanced = sharded_plans(M.CausalMask(), 16384, 4, "balanced", platform="tpu")
+    assert contiguous.forward_kernel == balanced.forward_kernel == "active"
     plain, even = (torch_splash_jax.program(p).blocks_per_shard() for p in (contiguous, balanced))
     assert sum(plain) == sum(even) and len(set(even)) == 1
     assert plain == sorted(plain) and plain[-1] > 1.5 * even[0]  # the last contiguous shard does most

@@ -44,11 +44,15 @@ EXPECTED = {
     "ring-heads-seq-per-head-sinks-balanced": ("{devices=[1,2,2,1]0,1,2,3}", [4, 2, 1, 100]),
     "ring-seq4-tensor-balanced": ("{devices=[1,1,4,1]0,1,2,3}", [4, 4, 2, 50]),
 }
-# Calls whose every device runs the same block lists (sharded over batch, or over heads with one
-# mask for all of them): the active-block kernels, as unsharded; the rest JAX's splash kernels.
+# Calls with a structured mask every head shares, sharded over batch, heads or the sequence (each
+# device's list and positions its inputs), ring or not: the active-block kernels, as unsharded;
+# masks read from stored blocks sharded along the sequence or with their heads: JAX's splash kernels.
 ACTIVE = {
     "batch", "heads-gqa", "batch-and-heads-mqa", "inputs-not-marked", "batch-and-heads-gqa-sinks",
-    "all-devices-on-batch-sinks",
+    "all-devices-on-batch-sinks", "seq4-causal", "seq4-causal-balanced", "seq4-chunked-mqa-ids",
+    "batch-seq-window-ids", "batch-seq-causal-ids-balanced", "heads-seq-sinks-balanced",
+    "ring-seq4-causal-ids-sinks", "ring-seq4-causal-ids-balanced", "ring-seq4-window-mqa-ids-balanced",
+    "ring-seq4-chunked-ids", "ring-seq4-full-ids", "ring-batch-seq-window-ids",
 }  # fmt: skip
 ERRORS = {
     "unknown-axis": "mesh axis 'batch'; the mesh has axes ['data', 'model']",
@@ -125,10 +129,10 @@ def test_sharded_matches_unsharded_forward_and_backward(worker_results, case):
 @pytest.mark.parametrize("case", CASES)
 def test_shard_local_programs_lower_for_tpu(worker_results, case):
     # jax.export(platforms=["tpu"]) of the programs attention() hands torch_xla for one shard:
-    # one Mosaic kernel forward; backward, dkv with dq fused into it as the plan has it at these
-    # lengths, or dkv and dq; and with the separate dq kernel, which the plan takes at longer ones.
+    # one Mosaic kernel forward; backward, the active kernels' one, or JAX's dkv with dq fused into
+    # it as the plan has it at these lengths, or dkv and dq; and with JAX's separate dq kernel.
     result = worker_results[case]
-    assert result["tpu_custom_calls"] == [1, 1 if result["tpu_fused"] else 2]
+    assert result["tpu_custom_calls"] == [1, 1 if result["tpu_fused"] or case in ACTIVE else 2]
     assert result["tpu_separate_custom_calls"] == [1, 2]
 
 

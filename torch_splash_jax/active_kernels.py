@@ -155,6 +155,14 @@ def tile_patterns(grid, has_segment_ids: bool, tiles: int) -> tuple[int, ...]:
     return tuple(patterns) if fits else ()
 
 
+def _patterns(straight_patterns, grid, has_segment_ids: bool, tiles: int) -> tuple[int, ...]:
+    """The tile patterns a kernel runs as straight-line code: `straight_patterns` where it names
+    them, else `tile_patterns` of the grid where True, else none."""
+    if isinstance(straight_patterns, tuple):
+        return straight_patterns
+    return tile_patterns(grid, has_segment_ids, tiles) if straight_patterns else ()
+
+
 def _may_be_partial(flags: np.ndarray, has_segment_ids: bool) -> np.ndarray:
     """The entries that may run a partial block: the partial ones and, with segment ids, the full
     ones (`segment_kinds` may turn them partial on the device)."""
@@ -253,6 +261,7 @@ def _forward_kernel(
     block_q_sub: int | None,
     soft_cap: float | None,
     has_segment_ids: bool,
+    has_positions: bool,
     has_sinks: bool,
     per_head_lists: bool,
     width: int,
@@ -267,6 +276,7 @@ def _forward_kernel(
     q_ref, k_ref, v_ref = refs[:3]
     refs = refs[3:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    q_pos_ref, kv_pos_ref = (refs.pop(0), refs.pop(0)) if has_positions else (None, None)
     mask_ref = refs.pop(0) if mask is None else None
     if sums_on_mxu:  # the row sums are acc_ref's last LANES lanes
         (out_ref, lse_ref, m_ref, acc_ref), l_ref = refs, None
@@ -323,10 +333,12 @@ def _forward_kernel(
         if mask is None:
             ok = _as_bool(mask_ref[row0 : row0 + rows, cols]) if tile_kind == PARTIAL else None
         else:
-            row_ids = q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
             keys = kv_block_ref[t] * block_kv + cols.start
             keys = keys + lax.broadcasted_iota(jnp.int32, (1, cols.stop - cols.start), 1)
-            ok = mask.allows(row_ids, keys)
+            if has_positions:
+                ok = mask.allows(q_pos_ref[row0 : row0 + rows, :], kv_pos_ref[:, cols])
+            else:
+                ok = mask.allows(q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0), keys)
             real = keys < kv_len
             ok = real if ok is None else ok & real
         if has_segment_ids:
@@ -419,10 +431,11 @@ def forward(
     block_q_sub: int | None = None,
     soft_cap: float | None = None,
     segment_ids=None,
+    positions=None,
     sinks=None,
     stored_mask=None,
     vmem_limit: int | None = None,
-    straight_patterns: bool = True,
+    straight_patterns: bool | tuple[int, ...] = True,
     sums_on_mxu: bool = False,
     interpret: bool = False,
 ):
@@ -430,11 +443,14 @@ def forward(
     times LOG2E, v (Hkv, Lkv, Dv), lengths multiples of the blocks; `grid` the tables of
     `active_grid` (one list shared by every head, or one per head), segment_ids (q_ids (Lq,),
     kv_ids (Lkv,)) int32, sinks (Hq,) float32 in base 2. `mask` (a structured mask of
-    `structured_masks`) is evaluated on partial blocks only, with keys at or past kv_len hidden;
+    `structured_masks`) is evaluated on partial blocks only, with keys at or past kv_len hidden, at
+    the rows' and keys' own indices or, given positions (q_positions (Lq,), kv_positions (Lkv,))
+    int32, at those (a device's shard of a sequence: `tables.device_block_kinds` gives its kinds);
     soft_cap in base 2 (the natural cap times LOG2E). stored_mask: (block_index (G, N) of
     `block_index`, blocks (M, block_q, block_kv) bool) for a mask read from stored blocks instead
     (`mask` None; the grid's tile kinds from `stored_tiles`). straight_patterns: partial blocks run their
-    tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always).
+    tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always;
+    a tuple: those patterns, found on the host where the grid is a program input).
     sums_on_mxu: the rows' sums of probabilities computed by the MXU (`with_ones`).
     Returns out (Hq, Lq, Dv) in q's dtype and the
     logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
@@ -453,7 +469,7 @@ def forward(
     q_block, kv_block, flags, sub_kinds = grid
     per_head_lists = q_block.shape[0] > 1
     width = q_block.shape[1]
-    patterns = tile_patterns(grid, segment_ids is not None, tiles) if tiles and straight_patterns else ()
+    patterns = _patterns(straight_patterns, grid, segment_ids is not None, tiles) if tiles else ()
     if segment_ids is not None:
         flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
     tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
@@ -484,17 +500,18 @@ def forward(
         pl.BlockSpec((None, block_kv, head_dim_v), kv_map),
     ]
     inputs += [q, k, v]
-    if segment_ids is not None:
-        q_ids, kv_ids = segment_ids
 
-        def q_ids_map(h, n, qb, kb, *_):
-            return qb[entry(h, n)], 0
+    def q_rows_map(h, n, qb, kb, *_):
+        return qb[entry(h, n)], 0
 
-        def kv_ids_map(h, n, qb, kb, *_):
-            return 0, kb[entry(h, n)]
+    def kv_columns_map(h, n, qb, kb, *_):
+        return 0, kb[entry(h, n)]
 
-        in_specs += [pl.BlockSpec((block_q, 1), q_ids_map), pl.BlockSpec((1, block_kv), kv_ids_map)]
-        inputs += [q_ids.reshape(-1, 1), kv_ids.reshape(1, -1)]
+    # segment ids, then positions: a value per row (rows along sublanes) and per key (along lanes)
+    for pair in (segment_ids, positions):
+        if pair is not None:
+            in_specs += [pl.BlockSpec((block_q, 1), q_rows_map), pl.BlockSpec((1, block_kv), kv_columns_map)]
+            inputs += [pair[0].reshape(-1, 1).astype(jnp.int32), pair[1].reshape(1, -1).astype(jnp.int32)]
     if stored_mask is not None:
 
         def mask_map(h, n, qb, kb, fl, sk, index):
@@ -512,6 +529,7 @@ def forward(
         block_q_sub=block_q_sub,
         soft_cap=soft_cap,
         has_segment_ids=segment_ids is not None,
+        has_positions=positions is not None,
         has_sinks=sinks is not None,
         per_head_lists=per_head_lists,
         width=width,
@@ -595,6 +613,8 @@ def _backward_kernel(
     dk_scale: float,
     fresh: bool,
     finish: bool,
+    has_positions: bool,
+    adds_kv: bool,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
         block_index_ref, *refs = refs
@@ -602,7 +622,10 @@ def _backward_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
+    q_pos_ref, kv_pos_ref = (refs.pop(0), refs.pop(0)) if has_positions else (None, None)
     mask_ref = refs.pop(0) if mask is None else None
+    # dk_in, dv_in: the sums dk and dv add into (their outputs alias them)
+    dk_in, dv_in = (refs.pop(0), refs.pop(0)) if adds_kv else (None, None)
     if not fresh:  # dq_hbm aliases this input: what dq adds into
         refs = refs[1:]
     if finish:  # dq_done: each q block's dq in q's dtype, written at its FINAL step from dq_stage
@@ -715,10 +738,14 @@ def _backward_kernel(
             ok = _as_bool(mask_ref[cols, rows]) if tile_kind == PARTIAL else None
         else:
             width = rows.stop - rows.start
-            row_ids = q_block_ref[e] * block_q + rows.start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
             keys = kv_block_ref[e] * block_kv + cols.start
             keys = keys + lax.broadcasted_iota(jnp.int32, (cols.stop - cols.start, 1), 0)
-            ok = mask.allows(row_ids, keys)
+            if has_positions:
+                ok = mask.allows(q_pos_ref[:, rows], kv_pos_ref[cols, :])
+            else:
+                ok = mask.allows(
+                    q_block_ref[e] * block_q + rows.start + lax.broadcasted_iota(jnp.int32, (1, width), 1), keys
+                )
             real = keys < kv_len
             ok = real if ok is None else ok & real
         if has_segment_ids:
@@ -847,8 +874,11 @@ def _backward_kernel(
 
     @pl.when(last_of_column)
     def _finish():
-        dk_ref[...] = (dk_acc[...] * dk_scale if dk_scale != 1 else dk_acc[...]).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        dk, dv = dk_acc[...] * dk_scale if dk_scale != 1 else dk_acc[...], dv_acc[...]
+        if adds_kv:
+            dk, dv = dk + dk_in[...].astype(jnp.float32), dv + dv_in[...].astype(jnp.float32)
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def backward_vmem_bytes(
@@ -890,11 +920,13 @@ def backward(
     block_q_sub: int | None = None,
     soft_cap: float | None = None,
     segment_ids=None,
+    positions=None,
     stored_mask=None,
     dq=None,
+    dkv=None,
     dk_scale: float = 1.0,
     vmem_limit: int | None = None,
-    straight_patterns: bool = True,
+    straight_patterns: bool | tuple[int, ...] = True,
     interpret: bool = False,
 ):
     """The gradients of `forward`'s attention, one kernel over each kv head's active blocks, kv
@@ -904,14 +936,19 @@ def backward(
     of out * d_out; `grid` the tables of `column_grid`: one list every head shares, or one per
     query head (then each query head walks its own list and its dk, dv are summed over the heads
     of its group afterwards). stored_mask: as in `forward`, with blocks (M, block_kv, block_q),
-    transposed. dq: float32 (Hq, Lq, D) to add into (zeros if None; the buffer is donated to the
-    result). straight_patterns as in `forward`. dk_scale: a factor dk is written with (the
-    softmax scale gives the caller's k its gradient, with no pass over dk after the kernel).
+    transposed. dq: a sum to add dq into in place, in the kernel's own layout and units (`dq_rows`;
+    its buffer is donated to the result, which is returned in the same form, for `finished_dq`).
+    dkv: (dk, dv) in k's and v's shapes and dtypes to add into in place (their buffers donated to
+    the results; one list every head shares). A ring gives all three, its sums over its steps.
+    positions and straight_patterns as in `forward`. dk_scale: a factor this call's dk is written
+    with (the softmax scale gives the caller's k its gradient, with no pass over dk after the
+    kernel).
 
     Returns dq (Hq, Lq, D), the gradient of q, in q's dtype where the kernel finishes each q
-    block's (no dq given, every list meets every q block), else float32; dk (Hkv, Lkv, D), the gradient of the
-    logits' k (k times the softmax scale) times dk_scale, and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA
-    and MQA heads are summed over the query heads a kv head serves."""
+    block's (no dq given, every list meets every q block), else float32 (in the given sum's form,
+    where given); dk (Hkv, Lkv, D), the gradient of the logits' k (k times the softmax scale) times
+    dk_scale, and dv (Hkv, Lkv, Dv), both in k's dtype. dq and dk of GQA and MQA heads are summed
+    over the query heads a kv head serves."""
     num_heads, q_len, head_dim = q.shape
     kv_heads, _, head_dim_v = v.shape
     group = num_heads // kv_heads
@@ -935,7 +972,9 @@ def backward(
     if per_head_lists and q_block.shape[0] != num_heads:
         raise ValueError(f"{q_block.shape[0]} lists for {num_heads} query heads")
     width = q_block.shape[1]
-    patterns = tile_patterns(grid, segment_ids is not None, tiles) if straight_patterns else ()
+    patterns = _patterns(straight_patterns, grid, segment_ids is not None, tiles)
+    if dkv is not None and per_head_lists:
+        raise ValueError("dk and dv add into given sums with one list every head shares")
     if segment_ids is not None:
         flags = segment_kinds(q_block, kv_block, flags, *segment_ids, block_q, block_kv)
     tables = [jnp.asarray(x).reshape(-1) for x in (q_block, kv_block, flags, sub_kinds)]
@@ -976,17 +1015,18 @@ def backward(
     ]
     lse2 = jnp.where(jnp.isposinf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
     inputs = [q, k, v, d_out, lse2[:, None, :], di.astype(jnp.float32)[:, None, :]]
-    if segment_ids is not None:
-        q_ids, kv_ids = segment_ids
 
-        def q_ids_map(h, n, qb, kb, *_):
-            return 0, qb[entry(h, n)[0]]
+    def q_rows_map(h, n, qb, kb, *_):
+        return 0, qb[entry(h, n)[0]]
 
-        def kv_ids_map(h, n, qb, kb, *_):
-            return kb[entry(h, n)[0]], 0
+    def kv_columns_map(h, n, qb, kb, *_):
+        return kb[entry(h, n)[0]], 0
 
-        in_specs += [pl.BlockSpec((1, block_q), q_ids_map), pl.BlockSpec((block_kv, 1), kv_ids_map)]
-        inputs += [q_ids.reshape(1, -1), kv_ids.reshape(-1, 1)]
+    # segment ids, then positions: a value per row (rows along lanes here) and per key
+    for pair in (segment_ids, positions):
+        if pair is not None:
+            in_specs += [pl.BlockSpec((1, block_q), q_rows_map), pl.BlockSpec((block_kv, 1), kv_columns_map)]
+            inputs += [pair[0].reshape(1, -1).astype(jnp.int32), pair[1].reshape(-1, 1).astype(jnp.int32)]
     if stored_mask is not None:
 
         def mask_map(h, n, qb, kb, fl, sk, index):
@@ -994,20 +1034,24 @@ def backward(
 
         in_specs.append(pl.BlockSpec((None, block_kv, block_q), mask_map))
         inputs.append(jnp.asarray(stored_mask[1]))
-    # dq as rows (heads x q_len, D rounded up to the lanes): Mosaic copies only lane-aligned slices
-    # between HBM and VMEM, and only 2-D ones whose minor dim is under 128 lanes
-    dq_width = -(-head_dim // LANES) * LANES
+    aliases = {}
+    if dkv is not None:  # read at each kv block's last step, as its sums are written
+        for i, (grad, dim) in enumerate(zip(dkv, (head_dim, head_dim_v))):
+            aliases[len(tables) + len(inputs)] = i
+            in_specs.append(pl.BlockSpec((None, block_kv, dim), kv_out_map))
+            inputs.append(grad)
+    dq_width = dq_rows(num_heads, q_len, head_dim)[1]
     # Where every list meets every q block, each block's first step zeroes it: no zeros written
     # beforehand (128 MiB at 16K tokens, 16 heads, D=128)
     fresh = dq is None and meets_every_q_block(grid, q_len // block_q)
     # ... and its last step writes it in q's dtype, where each head's rows start on a whole tile
     # of that dtype (8 rows of 32 bits)
     finish = fresh and q_len * q.dtype.itemsize % (SUBLANES * 4) == 0
+    given_dq = dq is not None
     if not fresh:
-        dq = jnp.zeros((num_heads, q_len, head_dim), jnp.float32) if dq is None else dq
-        dq = jnp.pad(dq, ((0, 0), (0, 0), (0, dq_width - head_dim)))
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        inputs.append(dq.reshape(num_heads * q_len, dq_width))
+        inputs.append(dq if given_dq else jnp.zeros(dq_rows(num_heads, q_len, head_dim), jnp.float32))
+        aliases[len(tables) + len(inputs) - 1] = 2
     body = functools.partial(
         _backward_kernel,
         mask=mask,
@@ -1027,11 +1071,13 @@ def backward(
         dk_scale=float(dk_scale),
         fresh=fresh,
         finish=finish,
+        has_positions=positions is not None,
+        adds_kv=dkv is not None,
     )
     out_heads = num_heads if per_head_lists else kv_heads
     # summed over a group afterwards: in float32, as the kernel sums within a list
     kv_dtype = jnp.float32 if per_head_lists and group > 1 else k.dtype
-    dq_shape = (num_heads * q_len, dq_width)
+    dq_shape = dq_rows(num_heads, q_len, head_dim)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(tables),
         grid=(out_heads, steps),
@@ -1060,7 +1106,7 @@ def backward(
             jax.ShapeDtypeStruct(dq_shape, jnp.float32),
         ]
         + [jax.ShapeDtypeStruct(dq_shape, q.dtype)] * finish,
-        input_output_aliases={} if fresh else {len(tables) + len(inputs) - 1: 2},
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
@@ -1071,5 +1117,19 @@ def backward(
     dk, dv, dq, *done = call(*tables, *inputs)
     if out_heads != kv_heads:
         dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(axis=1).astype(k.dtype) for g in (dk, dv))
-    dq = done[0] if finish else dq * LN2
-    return dq.reshape(num_heads, q_len, dq_width)[..., :head_dim], dk, dv
+    if given_dq:
+        return dq, dk, dv
+    return done[0].reshape(num_heads, q_len, dq_width)[..., :head_dim] if finish else finished_dq(dq, q.shape), dk, dv
+
+
+def dq_rows(num_heads: int, q_len: int, head_dim: int) -> tuple[int, int]:
+    """The shape of the backward's float32 dq sum: a row a query head's row, head_dim rounded up
+    to the lanes (Mosaic copies only lane-aligned slices between HBM and VMEM, and only 2-D ones
+    whose minor dim is under 128 lanes). Its values are the gradient of base-2 logits: dq / ln 2."""
+    return num_heads * q_len, -(-head_dim // LANES) * LANES
+
+
+def finished_dq(rows, shape: tuple[int, int, int]):
+    """dq (Hq, Lq, D) float32 from the backward's sum (`dq_rows`)."""
+    num_heads, q_len, head_dim = shape
+    return (rows * LN2).reshape(num_heads, q_len, -1)[..., :head_dim]

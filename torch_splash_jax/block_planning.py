@@ -269,19 +269,21 @@ def plan_blocks(
     itemsize: int = 2,
     segment_ids: bool = False,
     soft_cap: bool = False,
+    fit_tables: bool = True,
 ) -> tuple[int, int, tuple]:
     """(q_len_padded, kv_len_padded, blocks) for one call; cached, it is a pure function.
     q_row_bytes: q's bytes per query position (batch x heads x head_dim x itemsize), which sizes the
     fused backward's dq buffer (0: bound it by its count of q's alone); itemsize: of q, k and v as the
     kernels hold them; segment_ids, soft_cap: whether the call has them (these set the VMEM rule's
-    budget: `kernel_limits.Footprint`)."""
+    budget: `kernel_limits.Footprint`); fit_tables: False where no JAX kernel will run, whose tables
+    then need not fit SMEM (the active kernels' lists are `plan`'s to check)."""
     check_block_sizes(user)
     fused = user.use_fused_bwd_kernel
     if fused is None and (user.block_q_dq or user.block_kv_dq):
         fused = False  # the caller asked for dq blocks, so they want the separate dq kernel
     target = _target(platform, sequence_sharded)
     footprint = Footprint(head_dim, stored, itemsize, segment_ids, soft_cap)
-    args = (q_len, kv_len, user, platform, target, footprint, table_heads, q_row_bytes)
+    args = (q_len, kv_len, user, platform, target, footprint, table_heads, q_row_bytes, fit_tables)
     if fused is not None:
         return _planned(*args, fused=fused)
     limit = target.fused_max_kv_blocks
@@ -307,6 +309,7 @@ def _planned(
     footprint: Footprint,
     table_heads: int,
     q_row_bytes: int,
+    fit_tables: bool,
     fused: bool,
 ) -> tuple[int, int, tuple]:
     q128, kv128 = lane_padded(q_len), lane_padded(kv_len)
@@ -321,7 +324,8 @@ def _planned(
     blocks.update({n: block(n, kv128) for n in kv_names})
     if platform == "tpu":
         _fit_vmem(blocks, user, footprint)
-        _fit_smem(blocks, user, footprint, q128, kv128, table_heads)
+        if fit_tables:
+            _fit_smem(blocks, user, footprint, q128, kv128, table_heads)
     for b, c in (("block_kv", "block_kv_compute"), ("block_kv_dkv", "block_kv_dkv_compute")):
         given = getattr(user, c)
         blocks[c] = _fit_compute(blocks[b], target.compute if given is None else given)
@@ -334,7 +338,7 @@ def _planned(
         if target.fused_max_kv_blocks and not footprint.stored:
             bound = (q_row_bytes, target.fused_max_kv_blocks)
             _fit_fused_buffer(blocks, user, footprint, q128, kv128, bound)
-    if platform == "tpu" and fused:  # the fused kernel's blocks changed after the tables were fitted
+    if platform == "tpu" and fused and fit_tables:  # the fused kernel's blocks changed after the tables were fitted
         _fit_smem(blocks, user, footprint, q128, kv128, table_heads, grow=False)
     q_pad, kv_pad = _padded_lengths(blocks, q128, kv128)
     blocks["use_fused_bwd_kernel"] = fused

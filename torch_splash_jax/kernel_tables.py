@@ -49,11 +49,15 @@ class KernelTables:
         # outside any trace.
         self._partial_blocks = [
             None if info is None or info.partial_mask_blocks is None else jnp.asarray(info.partial_mask_blocks)
-            for info in (self._infos[1] if self.sharded else ())
+            for info in (self._infos[1] if self.sharded and self._infos is not None else ())
         ]
         # A mask with no allowed pair at all gets no kernel (JAX's table builder asserts on it,
         # and no output block would ever be written): the answer is 0 with zero gradients.
-        self.no_pairs = not (self._infos[1][0].block_mask.any() if self._infos is not None else _has_allowed_pair(plan))
+        # (a sharded plan without JAX's kernels: the active kernels' lists say, `Program`)
+        if self._infos is not None:
+            self.no_pairs = not self._infos[1][0].block_mask.any()
+        else:
+            self.no_pairs = not self.sharded and not _has_allowed_pair(plan)
         self._kernel = None if self.no_pairs or self.takes_tables else _build_kernel(plan)
 
     @property

@@ -99,6 +99,27 @@ class Plan:
         pad = np.full((self.q_shards, self.kv_len_padded - self.kv_len), -1, np.int32)
         return np.concatenate([held, pad], axis=1)
 
+    def device_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """A sequence-sharded plan's global positions, every device's: of its rows (S, Lq padded),
+        and of its keys (S, Lkv padded): the keys a ring step's device holds, or every key on every
+        device (padding columns, past kv_len, are hidden however numbered)."""
+        if self.ring:
+            kv = self.ring_kv_positions()
+        else:
+            kv = np.broadcast_to(np.arange(self.kv_len_padded, dtype=np.int32), (self.q_shards, self.kv_len_padded))
+        return self.shard_positions().astype(np.int32), np.ascontiguousarray(kv, dtype=np.int32)
+
+    def active_block_lengths(self) -> tuple[int, int]:
+        """The lengths of q and k the active kernels' blocks divide: the padded lengths, but in the
+        balanced layout one chunk of a shard where that is a multiple of the lanes (the keys' too in
+        a ring): a block over both chunks holds rows far apart, whose kinds are those of the span
+        between them (`tables.device_block_kinds`), partial where each chunk's block is full or empty."""
+        q, kv = self.q_len_padded, self.kv_len_padded
+        if self.q_shards > 1 and self.sequence_layout == "balanced":
+            q = self.q_len // 2 if self.q_len % (2 * LANES) == 0 else q
+            kv = self.kv_len // 2 if self.ring and self.kv_len % (2 * LANES) == 0 else kv
+        return q, kv
+
     @property
     def batch_in_heads(self) -> bool:
         """Whether the kernels see the batch as more heads, (B * H, L, D), in one call: where every
@@ -186,7 +207,7 @@ def plan(
     # 0.0.21), where the count bound runs the dq kernel.
     itemsize = kernel_itemsize(dtype)
     q_row_bytes = 0 if stored else batch * num_q_heads * head_dim * itemsize
-    q_pad, kv_pad, blocks = plan_blocks(
+    planning = (
         q_len,
         kv_len,
         block_sizes,
@@ -200,14 +221,16 @@ def plan(
         has_segment_ids,
         soft_cap is not None,
     )
-    sharded = _devices_differ(mask, q_shards, head_shards, context_parallel) is not None
-    forward_kernel, backward_kernel = _kernels(
-        block_sizes, sharded, mask, q_pad, kv_pad, kv_len, max(head_dim, head_dim_v), table_heads
+    try:
+        q_pad, kv_pad, blocks = plan_blocks(*planning)
+        refused = None
+    except SplashConstraintError as error:  # JAX's tables past SMEM: refused below if a JAX kernel runs
+        q_pad, kv_pad, blocks = plan_blocks(*planning, fit_tables=False)
+        refused = error
+    _check_active(
+        block_sizes.forward_kernel, block_sizes.backward_kernel, mask, q_shards, head_shards, context_parallel
     )
-    _check_active(forward_kernel, backward_kernel, mask, q_shards, head_shards, context_parallel)
-    return Plan(
-        forward_kernel=forward_kernel,
-        backward_kernel=backward_kernel,
+    planned = Plan(
         batch=batch,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -232,6 +255,12 @@ def plan(
         generation=generation,
         row_sums=active_row_sums(generation, head_dim_v),
     )
+    unserved = _unserved_sharding(mask, q_shards, head_shards, context_parallel) is not None
+    forward_kernel, backward_kernel = _kernels(block_sizes, unserved, planned, table_heads)
+    if refused is not None and "splash" in (forward_kernel, backward_kernel):
+        raise refused
+    _check_active(forward_kernel, backward_kernel, mask, q_shards, head_shards, context_parallel)
+    return dataclasses.replace(planned, forward_kernel=forward_kernel, backward_kernel=backward_kernel)
 
 
 # Fields of JAX's kernels alone: a caller who sets one asks for that JAX kernel (the layouts, for all of them).
@@ -243,44 +272,50 @@ _JAX_BACKWARD_FIELDS = (
 )  # fmt: skip
 
 
-def _kernels(
-    block_sizes: BlockSizes, sharded: bool, mask, q_pad: int, kv_pad: int, kv_len: int, head_dim: int, lists: int
-):
+def _kernels(block_sizes: BlockSizes, unserved: bool, plan: Plan, lists: int):
     """(forward, backward) kernels: the caller's (a backward left None follows an explicit forward),
     else the active-block kernels wherever they serve the call, JAX's splash kernels where they do
-    not: calls sharded along the query sequence, ring calls, one mask per head sharded over heads
-    (`sharded`: each device's lists differ), lists that may outgrow SMEM (`_active_lists_fit`), and
-    a pass whose JAX blocks the caller set. The active kernels are the faster on every call measured on
+    not (`unserved`: `_unserved_sharding`), where lists may outgrow SMEM (`_active_lists_fit`), and
+    for a pass whose JAX blocks the caller set. The active kernels are the faster on every call measured on
     the v5e and, for the training step, faster or level on every call estimated for v5p, v6e and
     v7x (docs/tpu.md); the choice does not depend on `generation`."""
     forward = block_sizes.forward_kernel
     backward = block_sizes.backward_kernel or forward
 
     def planned(fields: tuple, is_backward: bool) -> str:
-        if sharded or any(getattr(block_sizes, f) is not None for f in fields):
+        if unserved or any(getattr(block_sizes, f) is not None for f in fields):
             return "splash"
-        fits = _active_lists_fit(mask, q_pad, kv_pad, kv_len, head_dim, lists, is_backward)
-        return "active" if fits else "splash"
+        return "active" if _active_lists_fit(plan, lists, is_backward) else "splash"
 
     return forward or planned(_JAX_FORWARD_FIELDS, False), backward or planned(_JAX_BACKWARD_FIELDS, True)
 
 
-def _active_lists_fit(mask, q_pad: int, kv_pad: int, kv_len: int, head_dim: int, lists: int, backward: bool) -> bool:
+def _active_lists_fit(plan: Plan, lists: int, backward: bool) -> bool:
     """Whether the active kernel's lists surely fit SMEM, as `splash_program` lays them out: a
     structured mask's counted from its block kinds (the backward's at its longest q blocks, its
-    fallback), a stored mask's bounded by every block of each of its `lists` lists, rounded."""
-    shared = shared_structured_mask(mask)
+    fallback; a sequence-sharded plan's on its longest device's list, at every step of a ring), a
+    stored mask's bounded by every block of each of its `lists` lists, rounded."""
+    shared = shared_structured_mask(plan.mask)
     stored = shared is None
+    (q_pad, kv_pad), head_dim = plan.active_block_lengths(), max(plan.head_dim, plan.head_dim_v)
     if backward:
         blocks = active_backward_blocks(q_pad, kv_pad, head_dim, active_backward_rows(stored)[-1], stored)
     else:
         blocks = active_forward_blocks(q_pad, kv_pad, head_dim, stored=stored)
+    block_q, block_kv = blocks["block_q"], blocks["block_kv"]
     if stored:
-        every = (q_pad // blocks["block_q"]) * (kv_pad // blocks["block_kv"])
+        every = (plan.q_len_padded // block_q) * (plan.kv_len_padded // block_kv)
         return lists * tables.bucket(every) <= active_table_entries(True)
-    kinds = tables.block_mask_table(shared, q_pad, kv_pad, kv_len, blocks["block_q"], blocks["block_kv"]) > 0
-    per_walk = kinds.T if backward else kinds  # the backward walks kv block after kv block
-    return int(np.maximum(per_walk.sum(axis=1), 1).sum()) <= active_table_entries(False)
+    if plan.q_shards > 1:
+        steps = ring_steps(plan) if plan.ring else [plan]
+        kinds = [tables.device_block_kinds(shared, *p.device_positions(), p.kv_len, block_q, block_kv) for p in steps]
+        kinds = np.concatenate(kinds) > 0
+    else:
+        kinds = (
+            tables.block_mask_table(shared, q_pad, kv_pad, plan.kv_len, block_q, block_kv)[None] > 0
+        )  # unsharded: padded
+    per_walk = kinds.transpose(0, 2, 1) if backward else kinds  # the backward walks kv block after kv block
+    return int(np.maximum(per_walk.sum(axis=2), 1).sum(axis=1).max()) <= active_table_entries(False)
 
 
 def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
@@ -291,26 +326,28 @@ def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
     return dataclasses.replace(plan, forward_kernel=forward, backward_kernel=backward)
 
 
-def _check_active(forward: str, backward: str, mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
-    """The calls the active-block kernels serve: those whose every device runs the same block
-    lists (any mask: structured masks are evaluated in the kernel, data and per-head masks read from
-    stored blocks), so unsharded calls and calls sharded over batch or heads, but for one mask per
-    head sharded over heads; not calls sharded along the query sequence, nor rings."""
+def _check_active(forward, backward, mask, q_shards: int, head_shards: int, context_parallel: str) -> None:
+    """The calls the active-block kernels serve: unsharded calls and calls sharded over batch or
+    heads, for any mask (structured masks are evaluated in the kernel, data and per-head masks read
+    from stored blocks) but one mask per head sharded over heads; and calls sharded along the query
+    sequence, all-gather or ring, with a structured mask every head shares (each device's list and
+    positions are its inputs, the mask evaluated at those positions)."""
     option = "forward_kernel" if forward == "active" else "backward_kernel" if backward == "active" else None
-    how = _devices_differ(mask, q_shards, head_shards, context_parallel)
+    how = _unserved_sharding(mask, q_shards, head_shards, context_parallel)
     if option is not None and how is not None:
         raise SplashConstraintError(
-            f"block_sizes.{option}='active': the call is sharded {how}, and the active-block kernels serve "
-            f"calls whose every device runs the same block lists. Use {option}='splash' (or None) for this call."
+            f"block_sizes.{option}='active': the call is sharded {how}, which the active-block kernels do not "
+            f"serve. Use {option}='splash' (or None) for this call."
         )
 
 
-def _devices_differ(mask, q_shards: int, head_shards: int, context_parallel: str) -> str | None:
-    """How a call is sharded such that its devices' block tables differ ("along the query
-    sequence", "... (a ring)", "over heads with one mask per head"), or None where every device
-    runs the same ones (unsharded, or sharded over batch, or over heads with one mask for all)."""
-    if q_shards > 1 or context_parallel == "ring":
-        return "along the query sequence" + (" (a ring)" if context_parallel == "ring" else "")
+def _unserved_sharding(mask, q_shards: int, head_shards: int, context_parallel: str) -> str | None:
+    """How a call is sharded such that the active kernels do not serve it ("along the query
+    sequence with a mask read from stored blocks", "... (a ring) ...", "over heads with one mask per
+    head"): each device would need its own stored blocks. None where they serve it."""
+    if (q_shards > 1 or context_parallel == "ring") and shared_structured_mask(mask) is None:
+        ring = " (a ring)" if context_parallel == "ring" else ""
+        return f"along the query sequence{ring} with a mask read from stored blocks (data, or one mask per head)"
     if head_shards > 1 and isinstance(mask, MultiHeadMask):
         return "over heads with one mask per head"
     return None

@@ -80,6 +80,28 @@ class RingProgram:
         accumulators = {"forward": ("out_acc", "lse_acc"), "backward": ("dq_acc", "dk_acc", "dv_acc")}[kind]
         return self.steps[step].signature(kind) + (accumulators if step else ())
 
+    def accumulators(self, kind: str, step: int) -> list[jax.ShapeDtypeStruct]:
+        """The shapes and dtypes of the accumulators `kind` ("forward" or "backward") takes at
+        `step` (none at the first), as the step before returns them."""
+        if not step:
+            return []
+        p = self.plan
+        rows = (p.batch, p.num_q_heads, p.q_len)
+        if kind == "forward":
+            return [jax.ShapeDtypeStruct(rows + (p.head_dim_v,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32)]
+        q, k, v = (
+            jax.ShapeDtypeStruct((p.batch, heads, length, dim), jnp.dtype(p.dtype))
+            for heads, length, dim in (
+                (p.num_q_heads, p.q_len, p.head_dim),
+                (p.num_kv_heads, p.kv_len, p.head_dim),
+                (p.num_kv_heads, p.kv_len, p.head_dim_v),
+            )
+        )
+        if self.steps[step].active_backward is not None:
+            return list(jax.eval_shape(self.steps[step].gradient_sums, q, k, v))
+        names = ("dq_acc", "dk_acc", "dv_acc")
+        return [jax.ShapeDtypeStruct(x.shape, _accumulator_dtype(n, x.dtype)) for n, x in zip(names, (q, k, v))]
+
     def arguments(self, kind: str, step: int = 0, tables=(), **named) -> list:
         named.update({f"table{i}": t for i, t in enumerate(tables)})
         return [named[name] for name in self.signature(kind, step)]
@@ -128,6 +150,8 @@ class RingProgram:
     def _backward(self, step: int, *arrays):
         program = self.steps[step]
         inputs, tables, named = self._split("backward", step, arrays)
+        if program.active_backward is not None:
+            return self._active_backward(step, tables, named)
         primals = (named["q"], named["k"], named["v"])
         has_work = program.has_work(tables)
 
@@ -146,6 +170,28 @@ class RingProgram:
         if step == len(self.steps) - 1:
             dq, dk, dv = grads
             grads = tuple(g.astype(x.dtype) for g, x in zip((dq, scaled(dk, self.plan.scale), dv), primals))
+        return grads
+
+    def _active_backward(self, step: int, tables, named):
+        """`_backward` through the active kernels: the sums dq, dk and dv are the kernel's own
+        (padded, dq in float32 rows, `Program.gradient_sums`), given to each step's kernel, which
+        adds into them in place: no step's gradients exist beside the sums. The last step's are
+        finished to the inputs' shapes and dtypes."""
+        program = self.steps[step]
+        q, k, v = named["q"], named["k"], named["v"]
+        ids = (named["q_ids"], named["kv_ids"]) if self.plan.has_segment_ids else None
+        sums = tuple(named[n] for n in ("dq_acc", "dk_acc", "dv_acc")) if step else program.gradient_sums(q, k, v)
+
+        def work():
+            grads, _ = program._active_kernel_gradients(
+                q, k, v, ids, tables, named["out"], named["lse"], named["d_out"], sums
+            )
+            return tuple(grads)
+
+        grads = _where_work(program.has_work(tables), work, lambda: sums)
+        if step == len(self.steps) - 1:
+            dq, dk, dv = program.finished_gradients(q, k, v, *grads)
+            grads = (dq, scaled(dk, self.plan.scale).astype(k.dtype), dv)
         return grads
 
     def _scaled_keys(self, k):

@@ -99,16 +99,41 @@ class Program(KernelTables):
         self.active_backward = (
             _ActiveBackward(plan, made) if plan.backward_kernel == "active" and not self.no_pairs else None
         )
-        for active in (self.active, self.active_backward):  # a stored mask's tables: inputs, after JAX's
-            if active is not None and active.stored is not None:
-                active.tables = slice(len(self._table_arrays), len(self._table_arrays) + len(active.stored))
-                self._table_arrays = self._table_arrays + active.stored
+        if self.sharded and self._infos is None:  # every device's lists say whether any has a pair
+            self.no_pairs = not any(self.active_or_backward.has_work())
+        for active in (self.active, self.active_backward):  # their tables that are inputs, after JAX's
+            if active is not None and active.inputs:
+                active.tables = slice(len(self._table_arrays), len(self._table_arrays) + len(active.inputs))
+                self._table_arrays = self._table_arrays + active.inputs
         self.forward = jax.jit(self.forward_body)
         self.backward = jax.jit(self.backward_body)
         self.infer = jax.jit(self.infer_body)
         if self.stored:  # the first program of these shapes has traced them: its functions serve this one
             shared = _SHARED.setdefault(self._shapes(), self)
             self.forward, self.backward, self.infer = shared.forward, shared.backward, shared.infer
+
+    @property
+    def active_or_backward(self):
+        """The active forward, else the active backward (a plan runs one of them at least where
+        JAX's kernels have no tables)."""
+        return self.active if self.active is not None else self.active_backward
+
+    def blocks_per_shard(self) -> list[int]:
+        if self._infos is not None:
+            return super().blocks_per_shard()
+        return [int((k != 0).sum()) for k in self.active_or_backward.device_kinds]
+
+    def devices_with_work(self) -> list[bool]:
+        if self._infos is not None:
+            return super().devices_with_work()
+        return [False] * self.plan.q_shards if self.no_pairs else self.active_or_backward.has_work()
+
+    def has_work(self, tables):
+        """As `KernelTables.has_work`, from the active kernels' lists where JAX's kernels have no tables."""
+        if self._infos is not None or all(self.devices_with_work()):
+            return super().has_work(tables)
+        flags = tables[self.active_or_backward.tables][2]
+        return jnp.any((flags & active_kernels.KIND) != active_kernels.SKIP)
 
     def _shapes(self) -> tuple:
         """What a stored-block program's jitted functions depend on: the plan but for its mask,
@@ -339,7 +364,27 @@ class Program(KernelTables):
         """backward_body through the active-block backward: one kernel call per `_each_call` call,
         its dq added into a float32 buffer in place; the sinks' gradients from the logsumexp."""
         p = self.plan
-        per_call, _ = self._kernel_inputs(q, k, v, ids, sinks, p.scale * active_kernels.LOG2E)
+        (dq, dk, dv), di = self._active_kernel_gradients(q, k, v, ids, tables, out, lse, d_out)
+        batch = q.shape[0]
+        dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
+        dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
+        dk = dk[..., : p.kv_len, :].astype(k.dtype)  # the kernel scaled it (`_ActiveBackward`)
+        dv = dv[..., : p.kv_len, :].astype(v.dtype)
+        if sinks is None:
+            return dq, dk, dv
+        # A sink is a logit whose value vector is 0: its gradient is -sum over rows of p_sink * di
+        # (rows with no key: none, as their lse is +inf there)
+        lse = jnp.where(row_has_keys(lse), lse, jnp.inf)
+        d_sinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * di, axis=(0, 2))
+        return dq, dk, dv, d_sinks.astype(sinks.dtype)
+
+    def _active_kernel_gradients(self, q, k, v, ids, tables, out, lse, d_out, sums=None):
+        """The active backward's (dq, dk, dv) for every `_each_call` call, stacked along a leading
+        axis of calls, as the kernel gives them (padded; dk scaled as `_ActiveBackward` says; dq
+        float32); or, given sums (dq, dk, dv) in that form (dq as `dq_sums` makes it), those sums with
+        the gradients added in place, dq in its sum's form. And di, the rows' sums of out * d_out."""
+        p = self.plan
+        per_call, _ = self._kernel_inputs(q, k, v, ids, None, p.scale * active_kernels.LOG2E)
         has_keys = row_has_keys(lse)
         lse = jnp.where(has_keys, lse, jnp.inf)  # p = exp(logit - lse) is then 0 on rows with no key
         out, d_out = (self._pad(x.astype(compute_dtype(p.dtype)), 2, p.q_len_padded) for x in (out, d_out))
@@ -348,17 +393,29 @@ class Program(KernelTables):
         di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
         calls = per_call[0].shape[0]
         rows = [self._per_call(x, calls) for x in (d_out, lse, di)]
-        dq, dk, dv = self._each_call(functools.partial(self.active_backward, tables), (*per_call, *rows))
-        batch = q.shape[0]
+        call = functools.partial(self.active_backward, tables)
+        return self._each_call(call, (*per_call, *rows, *(sums or ()))), di
+
+    def gradient_sums(self, q, k, v):
+        """Zeros in the form `_active_kernel_gradients` sums (dq, dk, dv) in, for q, k, v (B, H, L, D)."""
+        p = self.plan
+        calls = 1 if self.batch_in_heads else q.shape[0]
+        heads, kv_heads = (x.shape[0] * x.shape[1] // calls for x in (q, k))
+        dq = jnp.zeros((calls, *active_kernels.dq_rows(heads, p.q_len_padded, q.shape[-1])), jnp.float32)
+        kv = (calls,) + (() if p.is_mqa else (kv_heads,)) + (p.kv_len_padded,)
+        return dq, *(jnp.zeros(kv + x.shape[-1:], compute_dtype(p.dtype)) for x in (k, v))
+
+    def finished_gradients(self, q, k, v, dq, dk, dv):
+        """(dq, dk, dv) in q's, k's and v's shapes and dtypes from the sums of
+        `_active_kernel_gradients` (dk as the kernel scaled it)."""
+        p, batch = self.plan, q.shape[0]
+        calls = dq.shape[0]
+        dq = jax.vmap(active_kernels.finished_dq, in_axes=(0, None))(
+            dq, (q.shape[0] * q.shape[1] // calls, p.q_len_padded, q.shape[-1])
+        )
         dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
         dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
-        dk = dk[..., : p.kv_len, :].astype(k.dtype)  # the kernel scaled it (`_ActiveBackward`)
-        dv = dv[..., : p.kv_len, :].astype(v.dtype)
-        if sinks is None:
-            return dq, dk, dv
-        # A sink is a logit whose value vector is 0: its gradient is -sum over rows of p_sink * di.
-        d_sinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * di, axis=(0, 2))
-        return dq, dk, dv, d_sinks.astype(sinks.dtype)
+        return dq, dk[..., : p.kv_len, :].astype(k.dtype), dv[..., : p.kv_len, :].astype(v.dtype)
 
 
 class _ActiveForward:
@@ -366,8 +423,11 @@ class _ActiveForward:
     kernel call on a call's q, k, v and segment ids. A structured mask every head shares is
     evaluated in the kernel, its list a constant of the program (made on the host); a mask read
     from stored blocks (data, one mask per head) has its list and blocks as program inputs in
-    rounded shapes (`stored`, which `Program` appends to its tables), so that masks with other
-    contents run the same compiled program."""
+    rounded shapes (`stored`), so that masks with other contents run the same compiled program.
+    A plan sharded along the query sequence (all-gather or a ring step) has every device's list,
+    padded to the longest, and the global positions of its rows and keys as inputs, one slice a
+    device (`sharded`): the kernel evaluates the shared structured mask at those positions.
+    `inputs` are the tables the program takes, which `Program` appends to its own."""
 
     backward = False
 
@@ -376,17 +436,28 @@ class _ActiveForward:
         other kernel of the program (each new mask's contents are evaluated once)."""
         self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
+        self.sharded = plan.q_shards > 1
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
-        self._plan_list(active_forward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, stored=stored))
+        self._plan_list(active_forward_blocks(*plan.active_block_lengths(), head_dim, stored=stored))
         _check_entries(self, plan, "forward_kernel")
 
     def _plan_list(self, b: dict) -> None:
         """The blocks b's list: `grid` (the tables, numpy) and, for a stored mask, `stored` (the
         tables, the block index and the blocks, rounded) with `tables` its slice of the program's."""
-        self.blocks, self.stored, self.tables = b, None, None
+        self.blocks, self.stored, self.tables, self.inputs, self.patterns = b, None, None, [], True
         walk = active_kernels.column_grid if self.backward else active_kernels.active_grid
         rows, chunk = b["block_q_sub"] or b["block_q"], b["block_kv_compute"]
+        if self.sharded:
+            positions = self.plan.device_positions()
+            kinds = _tables.device_block_kinds(self.mask, *positions, self.plan.kv_len, b["block_q"], b["block_kv"])
+            tiled = self.backward or b["block_q_sub"]
+            tiles = _tables.device_block_kinds(self.mask, *positions, self.plan.kv_len, rows, chunk) if tiled else None
+            self.grid, self.device_kinds = walk(kinds, tiles), kinds
+            count = (b["block_q"] // rows) * (b["block_kv"] // chunk) if tiled else 0
+            self.patterns = active_kernels.tile_patterns(self.grid, self.plan.has_segment_ids, count) if count else ()
+            self.inputs = [*self.grid, *positions]
+            return
         if self.mask is not None:
             if self.backward:
                 tile_kinds = _backward_tile_kinds(self.mask, self.plan, rows, chunk)
@@ -409,14 +480,30 @@ class _ActiveForward:
         count = _tables.bucket(max(len(blocks), _tables.MIN_PARTIAL_BLOCKS))
         blocks = np.pad(blocks, ((0, count - len(blocks)), (0, 0), (0, 0)))
         self.stored = [*padded, blocks.transpose(0, 2, 1) if self.backward else blocks]
+        self.inputs = self.stored
 
     @property
     def entries(self) -> int:
-        """The entries of every list, as its tables hold them in SMEM (a stored mask's rounded)."""
+        """The entries of every list one device runs, as its tables hold them in SMEM (a stored
+        mask's rounded)."""
+        if self.sharded:
+            return self.grid[0].shape[1]
         return (self.grid if self.stored is None else self.stored)[0].size
+
+    def has_work(self) -> list[bool]:
+        """For a sharded plan: whether each device's list has a block to compute."""
+        return [bool(k.any()) for k in self.device_kinds]
 
     def _mask_arguments(self, tables) -> dict:
         """The kernel's grid and mask: a constant list and the shared mask, or the program's inputs."""
+        if self.sharded:  # this device's slice of every device's tables
+            q_block, kv_block, flags, sub, q_positions, kv_positions = tables[self.tables]
+            return dict(
+                grid=(q_block, kv_block, flags, sub),
+                mask=self.mask,
+                positions=(q_positions[0], kv_positions[0]),
+                straight_patterns=self.patterns,
+            )
         if self.stored is None:
             return dict(grid=self.grid, mask=self.mask)
         q_block, kv_block, flags, sub, index, blocks = tables[self.tables]
@@ -461,20 +548,24 @@ class _ActiveBackward(_ActiveForward):
     def __init__(self, plan: Plan, made: dict | None = None):
         self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
+        self.sharded = plan.q_shards > 1
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
         for most_rows in active_backward_rows(stored):
-            self._plan_list(active_backward_blocks(plan.q_len_padded, plan.kv_len_padded, head_dim, most_rows, stored))
+            self._plan_list(active_backward_blocks(*plan.active_block_lengths(), head_dim, most_rows, stored))
             if self.entries <= active_table_entries(self.stored is not None):
                 break
         _check_entries(self, plan, "backward_kernel")
 
-    def __call__(self, tables, q, k, v, segment_ids, d_out, lse, di):
-        """(dq, dk, dv) of one kernel call: dq float32, dk the gradient of the caller's (unscaled) k."""
+    def __call__(self, tables, q, k, v, segment_ids, d_out, lse, di, dq=None, dk=None, dv=None):
+        """(dq, dk, dv) of one kernel call: dq float32, dk the gradient of the caller's (unscaled) k;
+        or, given sums dq (`active_kernels.dq_rows`), dk and dv (k's and v's shapes), those sums
+        with this call's gradients added in place, dq in its sum's form."""
         p = self.plan
         mqa = k.ndim == 2  # the MQA layout `_kernel_inputs` gives
         if mqa:
             k, v = k[None], v[None]
+            dk, dv = (None if g is None else g[None] for g in (dk, dv))
         dq, dk, dv = active_kernels.backward(
             q,
             k,
@@ -487,6 +578,8 @@ class _ActiveBackward(_ActiveForward):
             **self.blocks,
             soft_cap=None if p.soft_cap is None else p.soft_cap * active_kernels.LOG2E,
             segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
+            dq=dq,
+            dkv=None if dk is None else (dk, dv),
             dk_scale=p.scale,
             interpret=p.platform != "tpu",
         )

@@ -219,6 +219,29 @@ def sharded_mask_info(
     return _packed(np.stack(tables)[:, None], np.stack(nexts)[:, None], positions.astype(np.int32))
 
 
+def device_block_kinds(
+    spec: Mask, q_positions: np.ndarray, kv_positions: np.ndarray, kv_len: int, block_q: int, block_kv: int
+) -> np.ndarray:
+    """(S, q blocks, kv blocks) int32 kinds (0 empty, 1 partial, 2 full) of each of S devices'
+    blocks of a structured mask, for kernels that evaluate it at global positions: q_positions
+    (S, Pq) the global position of each row a device holds, kv_positions (S, Pkv) of each key
+    column, the columns at or past kv_len (one device's keys) padding. Each block is classified by
+    the hull of its rows' and its real keys' positions, which can only call it partial where it is
+    empty or full (rows that are not consecutive positions: the balanced layout), and a block with
+    padding keys is never full."""
+    shards = q_positions.shape[0]
+    rows = q_positions.reshape(shards, -1, block_q)
+    cols = kv_positions.reshape(shards, -1, block_kv)
+    real = (np.arange(kv_positions.shape[1]) < kv_len).reshape(-1, block_kv)
+    some, every = real.any(axis=1), real.all(axis=1)
+    k0 = np.where(some, np.where(real, cols, np.iinfo(np.int32).max).min(axis=2), 0)[:, None, :]
+    k1 = np.where(some, np.where(real, cols, -1).max(axis=2), 0)[:, None, :]
+    any_, all_ = spec.blocks(rows.min(axis=2)[:, :, None], rows.max(axis=2)[:, :, None], k0, k1)
+    shape = (shards, rows.shape[1], cols.shape[1])
+    any_, all_ = (np.broadcast_to(x, shape) for x in (np.asarray(any_) & some, np.asarray(all_) & every))
+    return np.where(all_, 2, np.where(any_, 1, 0)).astype(np.int32)
+
+
 def _evaluate(spec: Mask, rows: np.ndarray, cols: np.ndarray, q_len: int, kv_len: int, dense: dict) -> np.ndarray:
     """(len(rows), len(cols)) bool: the mask at global query positions `rows` and key positions
     `cols` (-1: a padding row or column, hidden; keys at or past kv_len are padding too). `dense`
