@@ -146,6 +146,22 @@ DEFAULT = [
     # with a window and segment ids, as tests/spmd_worker.py shards it: each device runs B=2, 4/1,
     # through the active kernels (every device runs the same lists)
     _case("spmd-shard-local", 4, 1, 1024, 1024, 128, "bfloat16", "LocalMask(40)", batch=2, segment_ids=True),
+    # Sequence-sharded calls on the active kernels (each device's list and positions its inputs): a
+    # window with segment ids over 4 devices, every key on each (all-gather); a ring's middle step at
+    # 256K over 16 devices (16K each; the sums of dq, dk and dv added into in place); and 6M over 16
+    # (384K each), the longest ring v5e:4x4 holds, whose lists SMEM holds where JAX's tables did not
+    _case(
+        "seq4-window-ids-all-gather", 8, 2, 8192, 8192, 128, "bfloat16", "LocalMask(1023, 0)", segment_ids=True,
+        q_shards=4,
+    ),
+    _case(
+        "ring-256k-16-balanced-causal", 16, 8, 262144, 262144, 128, "bfloat16", "CausalMask(0)", q_shards=16,
+        sequence_layout="balanced", context_parallel="ring",
+    ),
+    _case(
+        "ring-6m-16-balanced-causal", 16, 8, 6291456, 6291456, 128, "bfloat16", "CausalMask(0)", q_shards=16,
+        sequence_layout="balanced", context_parallel="ring",
+    ),
     # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
     # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap
     # and sinks in float32 off the 128 grid at head_dim 64 (dq's buffer padded to the lanes); MQA at
@@ -212,6 +228,9 @@ ALSO_V6E = {
     "active-per-head-d64-bf16-1024",
     "active-dense-f32-300",
     "active-planned-for-each-generation",
+    "seq4-window-ids-all-gather",
+    "ring-256k-16-balanced-causal",
+    "ring-6m-16-balanced-causal",
 }
 # Cases at a limit of the chip's (VMEM, SMEM, stored mask blocks) or planned for the generation
 # they compile for. The infer program is the forward's kernel without the logsumexp output, so its

@@ -85,9 +85,31 @@ def case_plan(case: dict, generation: str | None = None):
     if case.get("kernel") == "decode":  # the decode kernel's plan (torch_splash_jax.decode)
         return torch_splash_jax.decode.decode_plan(**fields)
     blocks = case.get("blocks")
+    sharding = {name: case[name] for name in ("q_shards", "sequence_layout", "context_parallel") if name in case}
     return torch_splash_jax.plan(
-        **fields, block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks), generation=generation
+        **fields,
+        block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks),
+        generation=generation,
+        **sharding,
     )
+
+
+def program_call(program, plan, kind: str, case: dict):
+    """(the function, its (shape, dtype name) arguments) of one device's `kind` program: a
+    sequence-sharded program's with its first device's slice of the tables; a ring's at the
+    case's `ring_step` (default 1: a middle step, with the sums the step before hands on)."""
+    if not getattr(plan, "ring", False):
+        sharded = getattr(program, "sharded", False)
+        return getattr(program, kind), program_args(plan, kind, program.device_tables(0) if sharded else _tables(program))
+    step = case.get("ring_step", 1)
+    kernel_args = list(program_args(plan, "forward")[: 5 if plan.has_segment_ids else 3])  # the steps see no sinks
+    tables = [(t.shape, t.dtype.name) for t in program.steps[step].device_tables(0)]
+    sums = [(a.shape, a.dtype.name) for a in program.accumulators(kind, step)]
+    if kind == "backward":
+        out = ((plan.batch, plan.num_q_heads, plan.q_len, plan.head_dim_v), plan.dtype)
+        kernel_args += tables + [out, ((plan.batch, plan.num_q_heads, plan.q_len_padded), "float32"), out]
+        return program.backward[step], tuple(kernel_args + sums)
+    return program.forward[step], tuple(kernel_args + tables + sums)
 
 
 def documents_mask(length: int, block: int = 128):
@@ -130,7 +152,7 @@ def programs(generations: list[str], lines, torchtpu: bool = False) -> None:
             _emit(done=case["name"])
 
 
-def _in_graph_module(program, plan, kind, version):
+def _in_graph_module(fn, args, version):
     """The HLO module the in-graph transport hands torch_xla, and how it compiles. Without torch_xla
     (the current set) the same lowering compiles from its StableHLO: jaxlib 0.12's HLO-to-StableHLO
     conversion writes custom calls that libtpu 0.0.52's StableHLO 1.16.3 cannot read, which only
@@ -140,7 +162,6 @@ def _in_graph_module(program, plan, kind, version):
     from torch_splash_jax.tpu_time import aot
     from torch_splash_jax.transport import hlo_module, lowered
 
-    fn, args = getattr(program, kind), program_args(plan, kind, _tables(program))
     if importlib.util.find_spec("torch_xla") is None:
         text = lowered(fn, args, "tpu", version).as_text()
         return text, text.count("tpu_custom_call"), aot.compile_stablehlo
@@ -168,16 +189,12 @@ def _export_as_torchtpu(fn, args: tuple, mosaic_version: int):
         return exporter(structs, program_number(fn))
 
 
-def _torchtpu_module(program, plan, kind, version):
+def _torchtpu_module(fn, args, version):
     """The StableHLO module TorchTPU's jax_op registers with its runtime, and how it compiles."""
     from torch_splash_jax import compat, mosaic
     from torch_splash_jax.tpu_time import aot
 
-    exported = _export_as_torchtpu(
-        getattr(program, kind),
-        program_args(plan, kind, _tables(program)),
-        mosaic.ir_version() if version is None else version,
-    )
+    exported = _export_as_torchtpu(fn, args, mosaic.ir_version() if version is None else version)
     module = compat.portable_artifact_module(exported.mlir_module_serialized)
     return module, exported.mlir_module().count("tpu_custom_call"), aot.compile_stablehlo
 
@@ -219,7 +236,8 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
         start = time.perf_counter()
         try:
             build = _torchtpu_module if torchtpu else _in_graph_module
-            module, mosaic_calls, compile_module = build(program, plan, kind, case.get("mosaic_version"))
+            fn, args = program_call(program, plan, kind, case)
+            module, mosaic_calls, compile_module = build(fn, args, case.get("mosaic_version"))
         except Exception as exc:
             _emit(case=case["name"], kind=kind, generation=None, error=_error(exc))
             continue

@@ -60,8 +60,8 @@ def row_has_keys(lse):
 
 def scaled(x, scale: float):
     """x times the softmax scale, computed in float32, in x's dtype: the keys the kernels take
-    (they apply no scale) and the gradient of the unscaled keys."""
-    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+    (they apply no scale) and the gradient of the unscaled keys; x itself where the scale is 1."""
+    return x if scale == 1.0 else (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 class Program(KernelTables):
@@ -76,10 +76,14 @@ class Program(KernelTables):
     infer out, the backward (dq, dk, dv[, d_sinks]).
     """
 
-    def __init__(self, plan: Plan, batch_in_heads: bool | None = None):
+    def __init__(self, plan: Plan, batch_in_heads: bool | None = None, keys_in_base_2: bool = False):
         """batch_in_heads: the plan's choice (`Plan.batch_in_heads`) unless given, as the real-chip
-        check gives it to time both ways; MQA plans keep theirs (their kernel depends on it)."""
+        check gives it to time both ways; MQA plans keep theirs (their kernel depends on it).
+        keys_in_base_2: the caller's keys already carry LOG2E beside the scale (a ring's, scaled
+        once as they start around it), which the active kernels otherwise fold into a scaled copy."""
         super().__init__(plan)
+        # the factor the active kernels' keys are scaled by
+        self.active_key_scale = 1.0 if keys_in_base_2 else plan.scale * active_kernels.LOG2E
         self.batch_in_heads = plan.batch_in_heads if batch_in_heads is None else batch_in_heads
         if self.batch_in_heads != plan.batch_in_heads and plan.num_kv_heads == 1:
             raise ValueError("an MQA plan's kernel is built for its own batch layout")
@@ -240,7 +244,7 @@ class Program(KernelTables):
     def _forward(self, q, k, v, ids, sinks, tables):
         """The kernels' output and logsumexp, (B, Hq, Lq padded[, Dv])."""
         if self.active is not None:
-            per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks, self.plan.scale * active_kernels.LOG2E)
+            per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks, self.active_key_scale)
             out, lse = self._each_call(functools.partial(self.active, sinks, tables), per_call)
             return self._per_batch(out, q.shape[0]), self._per_batch(lse, q.shape[0])
         per_call, sinks = self._kernel_inputs(q, k, v, ids, sinks)
@@ -384,7 +388,7 @@ class Program(KernelTables):
         float32); or, given sums (dq, dk, dv) in that form (dq as `dq_sums` makes it), those sums with
         the gradients added in place, dq in its sum's form. And di, the rows' sums of out * d_out."""
         p = self.plan
-        per_call, _ = self._kernel_inputs(q, k, v, ids, None, p.scale * active_kernels.LOG2E)
+        per_call, _ = self._kernel_inputs(q, k, v, ids, None, self.active_key_scale)
         has_keys = row_has_keys(lse)
         lse = jnp.where(has_keys, lse, jnp.inf)  # p = exp(logit - lse) is then 0 on rows with no key
         out, d_out = (self._pad(x.astype(compute_dtype(p.dtype)), 2, p.q_len_padded) for x in (out, d_out))
