@@ -149,18 +149,44 @@ DEFAULT = [
     # Sequence-sharded calls on the active kernels (each device's list and positions its inputs): a
     # window with segment ids over 4 devices, every key on each (all-gather); a ring's middle step at
     # 256K over 16 devices (16K each; the sums of dq, dk and dv added into in place); and 6M over 16
-    # (384K each), the longest ring v5e:4x4 holds, whose lists SMEM holds where JAX's tables did not
+    # (384K each), past the 4.25M where JAX's tables outgrew SMEM: the active lists fit there
     _case(
-        "seq4-window-ids-all-gather", 8, 2, 8192, 8192, 128, "bfloat16", "LocalMask(1023, 0)", segment_ids=True,
+        "seq4-window-ids-all-gather",
+        8,
+        2,
+        8192,
+        8192,
+        128,
+        "bfloat16",
+        "LocalMask(1023, 0)",
+        segment_ids=True,
         q_shards=4,
     ),
     _case(
-        "ring-256k-16-balanced-causal", 16, 8, 262144, 262144, 128, "bfloat16", "CausalMask(0)", q_shards=16,
-        sequence_layout="balanced", context_parallel="ring",
+        "ring-256k-16-balanced-causal",
+        16,
+        8,
+        262144,
+        262144,
+        128,
+        "bfloat16",
+        "CausalMask(0)",
+        q_shards=16,
+        sequence_layout="balanced",
+        context_parallel="ring",
     ),
     _case(
-        "ring-6m-16-balanced-causal", 16, 8, 6291456, 6291456, 128, "bfloat16", "CausalMask(0)", q_shards=16,
-        sequence_layout="balanced", context_parallel="ring",
+        "ring-6m-16-balanced-causal",
+        16,
+        8,
+        6291456,
+        6291456,
+        128,
+        "bfloat16",
+        "CausalMask(0)",
+        q_shards=16,
+        sequence_layout="balanced",
+        context_parallel="ring",
     ),
     # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
     # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap

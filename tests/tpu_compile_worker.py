@@ -100,7 +100,9 @@ def program_call(program, plan, kind: str, case: dict):
     case's `ring_step` (default 1: a middle step, with the sums the step before hands on)."""
     if not getattr(plan, "ring", False):
         sharded = getattr(program, "sharded", False)
-        return getattr(program, kind), program_args(plan, kind, program.device_tables(0) if sharded else _tables(program))
+        return getattr(program, kind), program_args(
+            plan, kind, program.device_tables(0) if sharded else _tables(program)
+        )
     step = case.get("ring_step", 1)
     kernel_args = list(program_args(plan, "forward")[: 5 if plan.has_segment_ids else 3])  # the steps see no sinks
     tables = [(t.shape, t.dtype.name) for t in program.steps[step].device_tables(0)]

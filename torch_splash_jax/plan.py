@@ -109,6 +109,16 @@ class Plan:
             kv = np.broadcast_to(np.arange(self.kv_len_padded, dtype=np.int32), (self.q_shards, self.kv_len_padded))
         return self.shard_positions().astype(np.int32), np.ascontiguousarray(kv, dtype=np.int32)
 
+    def device_position_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """`device_positions` as runs of consecutive positions, every device's: the first position
+        of each run of its rows (S, 1 or 2: the balanced layout's two chunks) and of its keys, runs
+        of equal length over the real rows (keys) (`positions_of_runs` expands them). A program
+        takes these, a few integers a device, rather than a position a row."""
+        rows, keys = self.device_positions()
+        parts = 2 if self.sequence_layout == "balanced" else 1
+        kv_parts = parts if self.ring else 1
+        return rows[:, : self.q_len : self.q_len // parts], keys[:, : self.kv_len : self.kv_len // kv_parts]
+
     def active_block_lengths(self) -> tuple[int, int]:
         """The lengths of q and k the active kernels' blocks divide: the padded lengths, but in the
         balanced layout one chunk of a shard where that is a multiple of the lanes (the keys' too in

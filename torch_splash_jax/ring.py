@@ -35,8 +35,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .plan import Plan, ring_steps
 from .active_kernels import LOG2E
+from .plan import Plan, ring_steps
 from .splash_program import Program, row_has_keys, scaled
 
 

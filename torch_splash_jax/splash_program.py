@@ -460,7 +460,7 @@ class _ActiveForward:
             self.grid, self.device_kinds = walk(kinds, tiles), kinds
             count = (b["block_q"] // rows) * (b["block_kv"] // chunk) if tiled else 0
             self.patterns = active_kernels.tile_patterns(self.grid, self.plan.has_segment_ids, count) if count else ()
-            self.inputs = [*self.grid, *positions]
+            self.inputs = [*self.grid, *self.plan.device_position_runs()]
             return
         if self.mask is not None:
             if self.backward:
@@ -501,11 +501,16 @@ class _ActiveForward:
     def _mask_arguments(self, tables) -> dict:
         """The kernel's grid and mask: a constant list and the shared mask, or the program's inputs."""
         if self.sharded:  # this device's slice of every device's tables
-            q_block, kv_block, flags, sub, q_positions, kv_positions = tables[self.tables]
+            q_block, kv_block, flags, sub, q_runs, kv_runs = tables[self.tables]
+            p = self.plan
+            positions = (
+                positions_of_runs(q_runs[0], p.q_len, p.q_len_padded),
+                positions_of_runs(kv_runs[0], p.kv_len, p.kv_len_padded, -1),
+            )
             return dict(
                 grid=(q_block, kv_block, flags, sub),
                 mask=self.mask,
-                positions=(q_positions[0], kv_positions[0]),
+                positions=positions,
                 straight_patterns=self.patterns,
             )
         if self.stored is None:
@@ -588,6 +593,17 @@ class _ActiveBackward(_ActiveForward):
             interpret=p.platform != "tpu",
         )
         return (dq, dk[0], dv[0]) if mqa else (dq, dk, dv)
+
+
+def positions_of_runs(starts, real: int, padded: int, pad_value: int | None = None):
+    """(padded,) int32 positions from `Plan.device_position_runs`' starts of one device (runs of
+    real // len(starts) consecutive positions); past `real`, the last real position again (as
+    `Plan.shard_positions` pads) or pad_value."""
+    run = real // starts.shape[0]
+    index = jnp.arange(padded, dtype=jnp.int32)
+    inside = jnp.minimum(index, real - 1)
+    positions = starts[inside // run] + inside % run
+    return positions if pad_value is None else jnp.where(index < real, positions, pad_value)
 
 
 def _kinds(mask, plan: Plan, block_q: int, block_kv: int):

@@ -1,7 +1,7 @@
 """`python -m torch_splash_jax.tpu_check`: torch_splash's JAX side checked on the TPU this runs on.
 
     python -m torch_splash_jax.tpu_check [--quick] [--shape B,Hq,Hkv,Lq,Lkv,D --mask M --dtype T [--only]]
-        [--parts limits,fidelity,timing,estimates,bridge] [--out FILE] [--workers N] [--generation G]
+        [--parts limits,fidelity,timing,ring,estimates,bridge] [--out FILE] [--workers N] [--generation G]
 
 Three processes, so that none holds the chip while another needs it: this one plans and writes the
 results; `chip` (a child) holds the chip and measures; the estimates (`torch_splash_jax.tpu_time`,
@@ -31,8 +31,8 @@ from . import cases as cases_lib
 from .cases import Call
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PARTS = ("limits", "fidelity", "timing", "estimates", "bridge")
-CHIP_PARTS = ("limits", "fidelity", "timing")  # what the chip's own process measures
+PARTS = ("limits", "fidelity", "timing", "ring", "estimates", "bridge")
+CHIP_PARTS = ("limits", "fidelity", "timing", "ring")  # what the chip's own process measures
 
 
 def _calls(options) -> tuple[list[Call], list[Call]]:
@@ -197,6 +197,7 @@ def _orchestrate(options) -> int:
             tolerance=cases_lib.TOLERANCE,
             fidelity=[],
             timing=[],
+            ring=[],
         )
     status = 0
     estimates = None
@@ -248,6 +249,7 @@ def _orchestrate(options) -> int:
         results["bridge_skipped"] = "neither torch_xla nor TorchTPU is installed here"
     _write(results, options)
     failed = [row["name"] for row in results["fidelity"] + results.get("bridge", []) if not row.get("passed")]
+    failed += [f"ring ({row['kernels']})" for row in results.get("ring", []) if not row.get("passed")]
     if failed:
         print(f"tpu_check: fidelity failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if status or failed or "chip" not in results else 0
@@ -265,6 +267,13 @@ def _progress(kind: str, value: dict) -> None:
             times = "/".join(f"{measured[k]:.3f}" for k in ("forward_ms", "step_ms") if k in measured)
             parts.append(f"{name}: {times or measured.get('error', '')[:60]}")
         print(f"timing {value['name']}: " + "; ".join(parts), flush=True)
+    elif kind == "ring":
+        worst = max((value.get("errors") or {}).values(), default=float("nan"))
+        state = "ok" if value.get("passed") else "FAILED"
+        print(
+            f"ring {value['kernels']:<7} {state:<6} worst {worst:.2e}, device 0's steps {value['device0_ms']} ms",
+            flush=True,
+        )
     elif kind == "estimate":
         fields = {
             "forward kernel": estimated_ms(value, "step", "forward"),

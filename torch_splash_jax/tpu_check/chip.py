@@ -1,9 +1,9 @@
 """The part of `tpu_check` that holds the chip: one process, every measurement, a JSON line each.
 
 `run(parts, calls...)` prints {"chip": ...} first (the device, JAX, the generation), then
-{"limits": ...} (the chip's own HBM read rate and bf16 matmul rate), {"fidelity": ...} per case and
-{"timing": ...} per row. Programs are compiled ahead of time in threads (the host's cores compile
-while nothing runs on the chip), then run one at a time.
+{"limits": ...} (the chip's own HBM read rate and bf16 matmul rate), {"fidelity": ...} per case,
+{"timing": ...} per row and {"ring": ...} per kernel (`ring`). Programs are compiled ahead of time
+in threads (the host's cores compile while nothing runs on the chip), then run one at a time.
 
 Times are wall clock over back-to-back calls of one compiled program (dispatch is asynchronous, so
 for calls of 100 us or more this is device time), the minimum over `REPEATS` repetitions after a
@@ -28,7 +28,7 @@ from ..kernel_limits import DEVICE_KINDS
 from ..plan import Plan, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
-from . import baselines
+from . import baselines, ring
 from .cases import MAXTEXT_BLOCKS, TOLERANCE, Call
 from .reference import inputs, reference, relative_error
 
@@ -334,6 +334,9 @@ def run(parts: list[str], fidelity_calls: list[Call], timing_calls: list[Call], 
             fidelity(fidelity_calls, platform, compiler)
         if "timing" in parts:
             timing(timing_calls, platform, compiler)
+        if "ring" in parts:
+            for row in ring.rows(platform, quick, timed):
+                emit(ring=row)
     except Exception:
         traceback.print_exc()
         return 1
