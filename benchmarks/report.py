@@ -157,6 +157,8 @@ def _transports(r: dict) -> str:
 
 
 def _gib(row: dict) -> str:
+    if "error" in row:  # the measuring process died (bench_context_parallel.measure)
+        return f"not measured: {row['error']}"
     if "refused" in row:
         return "refused by torch_splash" + (" (block tables past SMEM)" if "SMEM" in row["refused"] else "")
     if "compiler_error" in row:

@@ -232,7 +232,10 @@ def test_tpu_check_runs_a_user_s_call_on_the_cpu():
 def test_tpu_check_quick_mode():
     """The whole check at small sizes (its own cases, every part but the estimates): minutes on 2 cores."""
     out = RESULTS / "tpu_check_all_quick.json"
-    dev("tpu-check", "--quick", "--parts", "limits,fidelity,timing,bridge", "--out", str(out))
+    dev("tpu-check", "--quick", "--parts", "limits,fidelity,timing,ring,bridge", "--out", str(out))
     results = json.loads(out.read_text())
     assert results["fidelity"] and all(f["passed"] for f in results["fidelity"]), results["fidelity"]
+    # the ring's steps device after device, on both kernels, against the unsharded call
+    assert [r["kernels"] for r in results["ring"]] == ["active", "splash"], results["ring"]
+    assert all(r["passed"] and r["forward_kernel"] == r["kernels"] for r in results["ring"]), results["ring"]
     assert all("error" not in r for r in results["timing"]), results["timing"]
