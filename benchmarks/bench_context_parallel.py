@@ -157,11 +157,9 @@ def run(quick: bool, saved=lambda results: None, only: list[str] | None = None, 
         rows = measure(slice_name, chips, steps)
         for row in rows:
             print(json.dumps(row), flush=True)
-        if slice_name == "v5e:4x4" and not quick:  # and the longest ring that fits there
+        if slice_name == "v5e:4x4" and not quick:  # and the longest ring that fits there (the report finds it)
             rings = [row["L"] for row in rows if row["strategy"] == "ring" and row["fits"]]
             rows += longer_rings(slice_name, chips, max(rings)) if rings else []
-            fitting = [row for row in rows if row["strategy"] == "ring" and row["fits"]]
-            results["longest_ring"] = max(fitting, key=lambda row: row["L"]) if fitting else None
         results["rows"] += rows
         saved(results)
     return results

@@ -331,8 +331,10 @@ def _context_parallel(r: dict) -> str:
                 f"| {_tokens(length)} | {chips} ({slice_name}) | {f'{approx}{share / GiB:.2f} GiB' if share else ''} | "
                 f"{_gib(gather) if gather else 'not run'} | {_gib(ring) if ring else 'not run'} | {ratio} | {overlap} |"
             )
-    longest = r.get("longest_ring")
-    if longest:
+    # the longest ring measured to fit on the slice searched (its rows kept when other slices are re-measured)
+    searched = [row for row in rows if row.get("slice") == "v5e:4x4" and row.get("strategy") == "ring"]
+    longest = max((row for row in searched if row.get("fits")), key=lambda row: row["L"], default=None)
+    if longest and len(searched) > 3:  # searched past the fixed lengths
         beyond = [row for row in rows if row.get("slice") == longest["slice"] and row.get("L", 0) > longest["L"]]
         refused = min(beyond, key=lambda row: row["L"]) if beyond else None
         lines.append(
