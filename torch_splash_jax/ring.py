@@ -188,7 +188,7 @@ class RingProgram:
         sums = tuple(named[n] for n in ("dq_acc", "dk_acc", "dv_acc")) if step else program.gradient_sums(q, k, v)
 
         def work():
-            grads, _ = program._active_kernel_gradients(
+            grads, _ = program.active_kernel_gradients(
                 q, k, v, ids, tables, named["out"], named["lse"], named["d_out"], sums
             )
             return tuple(grads)

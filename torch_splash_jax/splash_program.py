@@ -104,7 +104,7 @@ class Program(KernelTables):
             _ActiveBackward(plan, made) if plan.backward_kernel == "active" and not self.no_pairs else None
         )
         if self.sharded and self._infos is None:  # every device's lists say whether any has a pair
-            self.no_pairs = not any(self.active_or_backward.has_work())
+            self.no_pairs = not any(self.active_or_backward.devices_with_work())
         for active in (self.active, self.active_backward):  # their tables that are inputs, after JAX's
             if active is not None and active.inputs:
                 active.tables = slice(len(self._table_arrays), len(self._table_arrays) + len(active.inputs))
@@ -130,7 +130,7 @@ class Program(KernelTables):
     def devices_with_work(self) -> list[bool]:
         if self._infos is not None:
             return super().devices_with_work()
-        return [False] * self.plan.q_shards if self.no_pairs else self.active_or_backward.has_work()
+        return [False] * self.plan.q_shards if self.no_pairs else self.active_or_backward.devices_with_work()
 
     def has_work(self, tables):
         """As `KernelTables.has_work`, from the active kernels' lists where JAX's kernels have no tables."""
@@ -368,7 +368,7 @@ class Program(KernelTables):
         """backward_body through the active-block backward: one kernel call per `_each_call` call,
         its dq added into a float32 buffer in place; the sinks' gradients from the logsumexp."""
         p = self.plan
-        (dq, dk, dv), di = self._active_kernel_gradients(q, k, v, ids, tables, out, lse, d_out)
+        (dq, dk, dv), di = self.active_kernel_gradients(q, k, v, ids, tables, out, lse, d_out)
         batch = q.shape[0]
         dq = self._per_batch(dq, batch)[:, :, : p.q_len].astype(q.dtype)
         dk, dv = (g.reshape((batch, -1) + g.shape[-2:]) for g in (dk, dv))
@@ -382,11 +382,12 @@ class Program(KernelTables):
         d_sinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * di, axis=(0, 2))
         return dq, dk, dv, d_sinks.astype(sinks.dtype)
 
-    def _active_kernel_gradients(self, q, k, v, ids, tables, out, lse, d_out, sums=None):
+    def active_kernel_gradients(self, q, k, v, ids, tables, out, lse, d_out, sums=None):
         """The active backward's (dq, dk, dv) for every `_each_call` call, stacked along a leading
         axis of calls, as the kernel gives them (padded; dk scaled as `_ActiveBackward` says; dq
-        float32); or, given sums (dq, dk, dv) in that form (dq as `dq_sums` makes it), those sums with
-        the gradients added in place, dq in its sum's form. And di, the rows' sums of out * d_out."""
+        float32); or, given sums (dq, dk, dv) in that form, those sums with
+        the gradients added in place, dq in its sum's form (`gradient_sums` makes zeros of that form).
+        And di, the rows' sums of out * d_out."""
         p = self.plan
         per_call, _ = self._kernel_inputs(q, k, v, ids, None, self.active_key_scale)
         has_keys = row_has_keys(lse)
@@ -401,7 +402,7 @@ class Program(KernelTables):
         return self._each_call(call, (*per_call, *rows, *(sums or ()))), di
 
     def gradient_sums(self, q, k, v):
-        """Zeros in the form `_active_kernel_gradients` sums (dq, dk, dv) in, for q, k, v (B, H, L, D)."""
+        """Zeros in the form `active_kernel_gradients` sums (dq, dk, dv) in, for q, k, v (B, H, L, D)."""
         p = self.plan
         calls = 1 if self.batch_in_heads else q.shape[0]
         heads, kv_heads = (x.shape[0] * x.shape[1] // calls for x in (q, k))
@@ -411,7 +412,7 @@ class Program(KernelTables):
 
     def finished_gradients(self, q, k, v, dq, dk, dv):
         """(dq, dk, dv) in q's, k's and v's shapes and dtypes from the sums of
-        `_active_kernel_gradients` (dk as the kernel scaled it)."""
+        `active_kernel_gradients` (dk as the kernel scaled it)."""
         p, batch = self.plan, q.shape[0]
         calls = dq.shape[0]
         dq = jax.vmap(active_kernels.finished_dq, in_axes=(0, None))(
@@ -449,7 +450,7 @@ class _ActiveForward:
     def _plan_list(self, b: dict) -> None:
         """The blocks b's list: `grid` (the tables, numpy) and, for a stored mask, `stored` (the
         tables, the block index and the blocks, rounded) with `tables` its slice of the program's."""
-        self.blocks, self.stored, self.tables, self.inputs, self.patterns = b, None, None, [], True
+        self.blocks, self.stored, self.tables, self.inputs = b, None, None, []
         walk = active_kernels.column_grid if self.backward else active_kernels.active_grid
         rows, chunk = b["block_q_sub"] or b["block_q"], b["block_kv_compute"]
         if self.sharded:
@@ -494,7 +495,7 @@ class _ActiveForward:
             return self.grid[0].shape[1]
         return (self.grid if self.stored is None else self.stored)[0].size
 
-    def has_work(self) -> list[bool]:
+    def devices_with_work(self) -> list[bool]:
         """For a sharded plan: whether each device's list has a block to compute."""
         return [bool(k.any()) for k in self.device_kinds]
 
