@@ -38,6 +38,7 @@ KINDS = ["forward", "backward", "infer"]
 
 
 ACTIVE = {"forward_kernel": "active"}
+RING_16 = dict(q_shards=16, sequence_layout="balanced", context_parallel="ring")  # a ring over 16 devices
 SPLASH = {"forward_kernel": "splash"}  # JAX's kernels, where a case is about them
 
 
@@ -162,32 +163,8 @@ DEFAULT = [
         segment_ids=True,
         q_shards=4,
     ),
-    _case(
-        "ring-256k-16-balanced-causal",
-        16,
-        8,
-        262144,
-        262144,
-        128,
-        "bfloat16",
-        "CausalMask(0)",
-        q_shards=16,
-        sequence_layout="balanced",
-        context_parallel="ring",
-    ),
-    _case(
-        "ring-6m-16-balanced-causal",
-        16,
-        8,
-        6291456,
-        6291456,
-        128,
-        "bfloat16",
-        "CausalMask(0)",
-        q_shards=16,
-        sequence_layout="balanced",
-        context_parallel="ring",
-    ),
+    _case("ring-256k-16-balanced-causal", 16, 8, 262144, 262144, 128, "bfloat16", "CausalMask(0)", **RING_16),
+    _case("ring-6m-16-balanced-causal", 16, 8, 6291456, 6291456, 128, "bfloat16", "CausalMask(0)", **RING_16),
     # The active-block kernels (BlockSizes(forward_kernel="active"), forward and backward): their 2048 x
     # 2048 and 1024 x 2048 blocks and 512 x 512 tiles with the batch in its heads; segment ids, soft cap
     # and sinks in float32 off the 128 grid at head_dim 64 (dq's buffer padded to the lanes); MQA at
