@@ -110,12 +110,13 @@ class Plan:
             kv = np.broadcast_to(np.arange(self.kv_len_padded, dtype=np.int32), (self.q_shards, self.kv_len_padded))
         return self.shard_positions().astype(np.int32), np.ascontiguousarray(kv, dtype=np.int32)
 
-    def device_position_runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """`device_positions` as runs of consecutive positions, every device's: the first position
-        of each run of its rows (S, 1 or 2: the balanced layout's two chunks) and of its keys, runs
-        of equal length over the real rows (keys) (`positions_of_runs` expands them). A program
-        takes these, a few integers a device, rather than a position a row."""
-        rows, keys = self.device_positions()
+    def device_position_runs(self, positions=None) -> tuple[np.ndarray, np.ndarray]:
+        """`device_positions` (`positions`, where the caller has them) as runs of consecutive
+        positions, every device's: the first position of each run of its rows (S, 1 or 2: the
+        balanced layout's two chunks) and of its keys, runs of equal length over the real rows
+        (keys) (`positions_of_runs` expands them). A program takes these, a few integers a device,
+        rather than a position a row."""
+        rows, keys = self.device_positions() if positions is None else positions
         parts = 2 if self.sequence_layout == "balanced" else 1
         kv_parts = parts if self.ring else 1
         return rows[:, : self.q_len : self.q_len // parts], keys[:, : self.kv_len : self.kv_len // kv_parts]
@@ -270,7 +271,6 @@ def plan(
     forward_kernel, backward_kernel = _kernels(block_sizes, unserved, planned, table_heads)
     if refused is not None and "splash" in (forward_kernel, backward_kernel):
         raise refused
-    _check_active(forward_kernel, backward_kernel, mask, q_shards, head_shards, context_parallel)
     return dataclasses.replace(planned, forward_kernel=forward_kernel, backward_kernel=backward_kernel)
 
 

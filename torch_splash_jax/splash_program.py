@@ -461,7 +461,7 @@ class _ActiveForward:
             self.grid, self.device_kinds = walk(kinds, tiles), kinds
             count = (b["block_q"] // rows) * (b["block_kv"] // chunk) if tiled else 0
             self.patterns = active_kernels.tile_patterns(self.grid, self.plan.has_segment_ids, count) if count else ()
-            self.inputs = [*self.grid, *self.plan.device_position_runs()]
+            self.inputs = [*self.grid, *self.plan.device_position_runs(positions)]
             return
         if self.mask is not None:
             if self.backward:
