@@ -3,15 +3,17 @@ the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `
 (B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x, each a training
 step's program (forward, then backward) of the plan, and of the plan with
 `BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
-generation (`Plan.generation`); on v6e and v7x also the active kernels with their forward's rows
-summed the other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
+generation (`Plan.generation`); on every generation also the active kernels scheduled by the TPU
+compiler's other scheduler ("other scheduler", `Plan.scheduler`: its default or LP, of which
+`block_planning.LP_SCHEDULER` chooses), and on v6e and v7x with their forward's rows summed the
+other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
 `block_planning.SUMS_ON_MXU` chooses). Every figure is an estimate
 (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
 (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
 the device.
 
-    ./dev.sh bench-active-kernels            # 10 calls, 4 generations, 2 or 3 programs: about 20 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 10 calls, 4 generations, 3 or 4 programs: about 30 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
@@ -61,19 +63,21 @@ def _kernels(kernels, generation: str) -> dict:
     )
 
 
-VARIANTS = ("plan", "active", "other sums")
+VARIANTS = ("plan", "active", "other scheduler", "other sums")
 
 
 def _variants(generation: str, head_dim_v: int) -> tuple:
     from torch_splash_jax.block_planning import mxu_columns_left_idle
 
-    return VARIANTS if mxu_columns_left_idle(generation, head_dim_v) else VARIANTS[:2]
+    return VARIANTS if mxu_columns_left_idle(generation, head_dim_v) else VARIANTS[:3]
 
 
 def _estimate(call, generation: str, variant: str) -> dict:
     """The step's forward kernel and backward kernels, estimated, of the call's plan for
-    `generation`, of that plan with the active-block kernels, or of those with their forward's rows
-    summed the other way ("other sums": `Plan.row_sums`, in the MXU or on the vector unit)."""
+    `generation`, of that plan with the active-block kernels, of those scheduled by the compiler's
+    other scheduler ("other scheduler": `Plan.scheduler`, its default or LP), or of those with their
+    forward's rows summed the other way ("other sums": `Plan.row_sums`, in the MXU or on the vector
+    unit)."""
     import dataclasses
 
     from torch_splash_jax import tpu_time
@@ -84,13 +88,16 @@ def _estimate(call, generation: str, variant: str) -> dict:
         plan = with_kernels(plan, "active")
     if variant == "other sums":
         plan = dataclasses.replace(plan, row_sums="vector" if plan.row_sums == "mxu" else "mxu")
+    if variant == "other scheduler":
+        plan = dataclasses.replace(plan, scheduler="default" if plan.scheduler == "lp" else "lp")
+
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
         return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
     forward = [k for k in estimate.kernels if k.kind == "forward"]
     backward = [k for k in estimate.kernels if k.kind != "forward"]
-    sums = {} if variant == "plan" else dict(row_sums=plan.row_sums)
+    sums = {} if variant == "plan" else dict(row_sums=plan.row_sums, scheduler=plan.scheduler)
     return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **sums)
 
 

@@ -755,12 +755,15 @@ def _tpu_check(r: dict) -> str:
         '`BlockSizes(forward_kernel="active")`: the project\'s own forward and backward '
         "(`torch_splash_jax.active_kernels`), torch_splash's default where they serve the call; "
         '"active forward" is the same forward with JAX\'s backward '
-        '(`backward_kernel="splash"`); blank where they do not serve the call.',
+        '(`backward_kernel="splash"`); blank where they do not serve the call. "Other scheduler": the active '
+        "kernels with the TPU compiler's other scheduler than the generation's (`Plan.scheduler`: its default or "
+        "LP, `block_planning.LP_SCHEDULER`), and their time over the generation's choice.",
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
         "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error "
-        "| active forward | active kernels | active / plan (forward / step) | MXU (active forward) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| active forward | active kernels | active / plan (forward / step) | MXU (active forward) "
+        "| other scheduler (its / the generation's) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     estimates = _chip_estimates(r)
 
@@ -793,10 +796,13 @@ def _tpu_check(r: dict) -> str:
                 f"{both[k] / plan[k]:.2f}x" for k in ("forward_ms", "step_ms") if k in both and k in plan
             )
             active_mxu = f"{flops / (both['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
+        other = v.get("plan, active kernels, other scheduler", {})
+        versus = " / ".join(f"{other[k] / both[k]:.2f}x" for k in ("forward_ms", "step_ms") if k in other and k in both)
         lines.append(
             f"| {row['name']} | {pair(plan)} | {layout} | {pair(maxtext)} | {ratio} | "
             f"{pair(v.get(PLAN_BLOCKS, {}))} | {pair(v.get('XLA dense', {}))} | {mxu} | "
-            f"{shown} | {errors} | {pair(active)} | {pair(both)} | {faster} | {active_mxu} |"
+            f"{shown} | {errors} | {pair(active)} | {pair(both)} | {faster} | {active_mxu} | "
+            f"{pair(other)}{f' ({versus})' if versus else ''} |"
         )
     lines += [
         "",
@@ -918,6 +924,7 @@ def _active_kernels(r: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
         lines.append("")
     lines += _sums_on_mxu(r, rows)
+    lines += _scheduler(r, rows)
     lines += [line for note in r.get("notes", ()) for line in (note, "")]
     return "\n".join(lines[:-1])
 
@@ -925,29 +932,55 @@ def _active_kernels(r: dict) -> str:
 def _sums_on_mxu(r: dict, rows: dict) -> list[str]:
     """The active forward with its rows summed on the vector unit against in the MXU (`Plan.row_sums`),
     where both were estimated; the generation's choice starred."""
-    generations = sorted({g for (_, g), row in rows.items() if "other sums" in row}, key=["v6e", "v7x"].index)
-    if not generations:
-        return []
-    lines = [
+    return _choice_table(
+        r,
+        rows,
+        "other sums",
+        "row_sums",
+        ("vector", "mxu"),
         "Row sums: the active forward's rows summed on the vector unit / in the MXU (`Plan.row_sums`), estimated "
         "ms (their ratio; the step's ratio); * the generation's choice (`block_planning.SUMS_ON_MXU`).",
-        "",
-        "| call | " + " | ".join(generations) + " |",
-        "|---|" + "---|" * len(generations),
-    ]
+    )
+
+
+def _scheduler(r: dict, rows: dict) -> list[str]:
+    """The active kernels scheduled by the TPU compiler's default scheduler against its LP scheduler
+    (`Plan.scheduler`), where both were estimated; the generation's choice starred."""
+    return _choice_table(
+        r,
+        rows,
+        "other scheduler",
+        "scheduler",
+        ("default", "lp"),
+        "Scheduler: the active kernels scheduled by the TPU compiler's default / LP scheduler (`Plan.scheduler`), "
+        "estimated ms of the forward (their ratio; the step's ratio); * the generation's choice "
+        "(`block_planning.LP_SCHEDULER`).",
+    )
+
+
+def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, title: str) -> list[str]:
+    """The active kernels at each of a per-generation choice's two values (the plan's and `variant`'s),
+    by generation, where both were estimated."""
+    order = ["v5e", "v5p", "v6e", "v7x"]
+    generations = sorted({g for (_, g), row in rows.items() if variant in row}, key=order.index)
+    if not generations:
+        return []
+    lines = [title, "", "| call | " + " | ".join(generations) + " |", "|---|" + "---|" * len(generations)]
+    first, second = values
     for name in dict.fromkeys(row["name"] for row in r["rows"]):
         cells = []
         for generation in generations:
             row = rows.get((name, generation), {})
-            both = {x.get("row_sums"): x for x in (row.get("active", {}), row.get("other sums", {}))}
-            vector, mxu = both.get("vector", {}), both.get("mxu", {})
-            if "forward" not in vector or "forward" not in mxu:
+            both = {x.get(field): x for x in (row.get("active", {}), row.get(variant, {}))}
+            a, b = both.get(first, {}), both.get(second, {})
+            if "forward" not in a or "forward" not in b:
                 cells.append("")
                 continue
-            step = [sum(x[p]["seconds"] for p in ("forward", "backward")) for x in (vector, mxu)]
-            v, m = vector["forward"]["seconds"], mxu["forward"]["seconds"]
-            star = ("*", "") if row["active"]["row_sums"] == "vector" else ("", "*")
-            cells.append(f"{v * 1e3:.2f}{star[0]} / {m * 1e3:.2f}{star[1]} ({m / v:.2f}x; {step[1] / step[0]:.2f}x)")
+            step = [sum(x[p]["seconds"] for p in ("forward", "backward")) for x in (a, b)]
+            fa, fb = a["forward"]["seconds"], b["forward"]["seconds"]
+            star = ("*", "") if row["active"][field] == first else ("", "*")
+            ratios = f"({fb / fa:.2f}x; {step[1] / step[0]:.2f}x)"
+            cells.append(f"{fa * 1e3:.2f}{star[0]} / {fb * 1e3:.2f}{star[1]} {ratios}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

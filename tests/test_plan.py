@@ -392,15 +392,18 @@ def test_float32_blocks_a_caller_sets_are_held_to_what_compiled():
         blocks(block_q=2048, block_kv=512)
 
 
-def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_by_it():
+def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_and_scheduler_by_it():
     """`Plan.generation` (the caller's, or torch_xla's device's) is one the estimator knows; the
     active forward sums its rows in the MXU on v6e where head_dim_v 128 leaves half of its 256-wide
-    MXUs idle, on the vector unit everywhere else (and where the generation is not known)."""
+    MXUs idle, on the vector unit everywhere else (and where the generation is not known); the
+    active kernels ask for the compiler's LP scheduler on v7x only."""
     with pytest.raises(torch_splash_jax.SplashConstraintError, match="generation='v4'"):
         torch_splash_jax.plan(q_len=256, generation="v4")
     fields = dict(q_len=1024, num_q_heads=4, head_dim=128, dtype="bfloat16", platform="tpu")
     generations = (None, "v5e", "v5p", "v6e", "v7x")
     sums = [torch_splash_jax.plan(**fields, generation=g).row_sums for g in generations]
     assert sums == ["vector", "vector", "vector", "mxu", "vector"]
+    schedulers = [torch_splash_jax.plan(**fields, generation=g).scheduler for g in generations]
+    assert schedulers == ["default", "default", "default", "default", "lp"]
     for head_dim in (64, 256):
         assert torch_splash_jax.plan(**dict(fields, head_dim=head_dim), generation="v6e").row_sums == "vector"

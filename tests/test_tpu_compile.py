@@ -207,7 +207,8 @@ DEFAULT = [
     ),
     _case("active-dense-f32-300", 2, 2, 300, 300, 64, "float32", "dense", segment_ids=True, blocks=ACTIVE),
     # planned for the generation it compiles for (Plan.generation): on v6e its forward sums its rows
-    # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU)
+    # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU), on v7x its kernels ask for the LP
+    # scheduler (Plan.scheduler, block_planning.LP_SCHEDULER)
     _case(
         "active-planned-for-each-generation", 8, 8, 4096, 4096, 128, "bfloat16", "CausalMask(0)", planned_for_each=True
     ),
@@ -375,6 +376,7 @@ def _assert_planned_for_each(results, generations):
         result = results[("active-planned-for-each-generation", "forward", generation)]
         assert result.get("planned_for") == generation, result
         assert result.get("row_sums") == ("mxu" if generation == "v6e" else "vector"), result
+        assert result.get("scheduler") == ("lp" if generation == "v7x" else "default"), result
 
 
 @pytest.mark.xla

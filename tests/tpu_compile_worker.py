@@ -261,6 +261,7 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
                     backward_kernel=getattr(plan, "backward_kernel", None),
                     planned_for=getattr(plan, "generation", None),
                     row_sums=getattr(plan, "row_sums", None),
+                    scheduler=getattr(plan, "scheduler", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

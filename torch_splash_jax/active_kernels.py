@@ -397,6 +397,24 @@ def _forward_kernel(
         lse_ref[...] = lse.T[:1]
 
 
+# The TPU compiler's instruction schedulers a kernel may ask for: its default, or the LP scheduler
+# (the compiler's own flag), which packs the softmax's vector work differently: per generation,
+# one or the other schedules the active kernels in fewer bundles (block_planning.LP_SCHEDULER).
+SCHEDULER_FLAGS = {"default": None, "lp": {"XLA_TPU_FORCE_LP_LLO_SCHEDULER": True}}
+
+
+def compiler_params(vmem_limit: int, scheduler: str):
+    """An active kernel's Mosaic parameters: its grid's parallel and reduction axes, its VMEM limit,
+    and the scheduler's flags."""
+    if scheduler not in SCHEDULER_FLAGS:
+        raise ValueError(f"scheduler={scheduler!r}: expected one of {sorted(SCHEDULER_FLAGS)}")
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit,
+        flags=SCHEDULER_FLAGS[scheduler],
+    )
+
+
 def vmem_bytes(
     block_q: int,
     block_kv: int,
@@ -437,6 +455,7 @@ def forward(
     vmem_limit: int | None = None,
     straight_patterns: bool | tuple[int, ...] = True,
     sums_on_mxu: bool = False,
+    scheduler: str = "default",
     interpret: bool = False,
 ):
     """Attention over the active blocks: q (Hq, Lq, D), k (Hkv, Lkv, D) scaled by the softmax scale
@@ -452,6 +471,7 @@ def forward(
     tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always;
     a tuple: those patterns, found on the host where the grid is a program input).
     sums_on_mxu: the rows' sums of probabilities computed by the MXU (`with_ones`).
+    scheduler: the TPU compiler's instruction scheduler for the kernel (`compiler_params`).
     Returns out (Hq, Lq, Dv) in q's dtype and the
     logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
     num_heads, q_len, head_dim = q.shape
@@ -553,9 +573,7 @@ def forward(
             jax.ShapeDtypeStruct((num_heads, q_len, head_dim_v), q.dtype),
             jax.ShapeDtypeStruct((num_heads, 1, q_len), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
-        ),
+        compiler_params=compiler_params(vmem_limit, scheduler),
         interpret=interpret,
         name="active_forward",
     )
@@ -927,6 +945,7 @@ def backward(
     dk_scale: float = 1.0,
     vmem_limit: int | None = None,
     straight_patterns: bool | tuple[int, ...] = True,
+    scheduler: str = "default",
     interpret: bool = False,
 ):
     """The gradients of `forward`'s attention, one kernel over each kv head's active blocks, kv
@@ -940,7 +959,7 @@ def backward(
     its buffer is donated to the result, which is returned in the same form, for `finished_dq`).
     dkv: (dk, dv) in k's and v's shapes and dtypes to add into in place (their buffers donated to
     the results; one list every head shares). A ring gives all three, its sums over its steps.
-    positions and straight_patterns as in `forward`. dk_scale: a factor this call's dk is written
+    positions, straight_patterns and scheduler as in `forward`. dk_scale: a factor this call's dk is written
     with (the softmax scale gives the caller's k its gradient, with no pass over dk after the
     kernel).
 
@@ -1107,9 +1126,7 @@ def backward(
         ]
         + [jax.ShapeDtypeStruct(dq_shape, q.dtype)] * finish,
         input_output_aliases=aliases,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
-        ),
+        compiler_params=compiler_params(vmem_limit, scheduler),
         interpret=interpret,
         name="active_backward",
     )

@@ -386,6 +386,18 @@ def active_row_sums(generation: str | None, head_dim_v: int) -> str:
     return "mxu" if generation in SUMS_ON_MXU and mxu_columns_left_idle(generation, head_dim_v) else "vector"
 
 
+# The generations whose active kernels the TPU compiler schedules with its LP scheduler (`Plan.
+# scheduler`, `active_kernels.SCHEDULER_FLAGS`): where its schedules of the training step's kernels
+# are shorter over the calls of `./dev.sh bench-active-kernels` ("Scheduler"; libtpu 0.0.52).
+LP_SCHEDULER = frozenset({"v7x"})
+
+
+def active_scheduler(generation: str | None) -> str:
+    """The scheduler the active kernels for `generation` (None: not known) ask for: "lp" on the
+    generations of LP_SCHEDULER, else the compiler's "default"."""
+    return "lp" if generation in LP_SCHEDULER else "default"
+
+
 def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     for block in range(min(limit, length) // multiple * multiple, 0, -multiple):
         if length % block == 0:

@@ -21,6 +21,7 @@ from .block_planning import (
     active_backward_rows,
     active_forward_blocks,
     active_row_sums,
+    active_scheduler,
     plan_blocks,
 )
 from .block_sizes import BlockSizes
@@ -73,6 +74,9 @@ class Plan:
     # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
     # "mxu" (`active_kernels.with_ones`); `plan` chooses per generation (block_planning.active_row_sums).
     row_sums: str = "vector"
+    # The TPU compiler's scheduler for the active kernels: "default" or "lp" (`active_kernels.
+    # compiler_params`); `plan` chooses per generation (block_planning.active_scheduler).
+    scheduler: str = "default"
 
     @property
     def ring(self) -> bool:
@@ -266,6 +270,7 @@ def plan(
         context_parallel=context_parallel,
         generation=generation,
         row_sums=active_row_sums(generation, head_dim_v),
+        scheduler=active_scheduler(generation),
     )
     unserved = _unserved_sharding(mask, q_shards, head_shards, context_parallel) is not None
     forward_kernel, backward_kernel = _kernels(block_sizes, unserved, planned, table_heads)

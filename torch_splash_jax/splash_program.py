@@ -537,6 +537,7 @@ class _ActiveForward:
             segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
             sinks=None if sinks is None else sinks.astype(jnp.float32) * active_kernels.LOG2E,
             sums_on_mxu=p.row_sums == "mxu",
+            scheduler=p.scheduler,
             interpret=p.platform != "tpu",
         )
 
@@ -591,6 +592,7 @@ class _ActiveBackward(_ActiveForward):
             dq=dq,
             dkv=None if dk is None else (dk, dv),
             dk_scale=p.scale,
+            scheduler=p.scheduler,
             interpret=p.platform != "tpu",
         )
         return (dq, dk[0], dv[0]) if mqa else (dq, dk, dv)

@@ -183,6 +183,10 @@ def _active(plan, backward: str = "active"):
         return None
 
 
+OTHER_SCHEDULER = {"default": "lp", "lp": "default"}
+OTHER_SCHEDULER_VARIANT = "plan, active kernels, other scheduler"
+
+
 def _variants(call: Call, platform: str) -> dict:
     """{name: (forward fn, step fn or None, argument builder)} of a timing row: the plan, and the
     baselines that serve the call (each builder maps the named inputs to that variant's arguments)."""
@@ -216,6 +220,14 @@ def _variants(call: Call, platform: str) -> dict:
                     _step(fast),
                     lambda n, fast=fast: _named_arrays(call, fast, n, "forward"),
                 )
+        active = _active(plan)
+        if active is not None:  # the chip's verdict on the generation's scheduler (block_planning.LP_SCHEDULER)
+            other = cached_program(dataclasses.replace(active, scheduler=OTHER_SCHEDULER[active.scheduler]))
+            variants[OTHER_SCHEDULER_VARIANT] = (
+                other.forward,
+                _step(other),
+                lambda n, other=other: _named_arrays(call, other, n, "forward"),
+            )
         if plan.batch > 1 and plan.batch_in_heads and plan.num_kv_heads > 1:
             loop = Program(plan, batch_in_heads=False)
             variants["plan, a call per batch element"] = (
