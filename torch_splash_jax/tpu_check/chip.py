@@ -220,7 +220,7 @@ def _variants(call: Call, platform: str) -> dict:
                     _step(fast),
                     lambda n, fast=fast: _named_arrays(call, fast, n, "forward"),
                 )
-        active = _active(plan)
+        active = None if interpret else _active(plan)  # interpret mode has no scheduler
         if active is not None:  # the chip's verdict on the generation's scheduler (block_planning.LP_SCHEDULER)
             other = cached_program(dataclasses.replace(active, scheduler=OTHER_SCHEDULER[active.scheduler]))
             variants[OTHER_SCHEDULER_VARIANT] = (
