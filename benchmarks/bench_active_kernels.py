@@ -81,6 +81,7 @@ def _estimate(call, generation: str, variant: str) -> dict:
     import dataclasses
 
     from torch_splash_jax import tpu_time
+    from torch_splash_jax.block_planning import OTHER_SCHEDULER
     from torch_splash_jax.plan import with_kernels
 
     plan = dataclasses.replace(call, generation=generation).plan("tpu")
@@ -89,16 +90,15 @@ def _estimate(call, generation: str, variant: str) -> dict:
     if variant == "other sums":
         plan = dataclasses.replace(plan, row_sums="vector" if plan.row_sums == "mxu" else "mxu")
     if variant == "other scheduler":
-        plan = dataclasses.replace(plan, scheduler="default" if plan.scheduler == "lp" else "lp")
-
+        plan = dataclasses.replace(plan, scheduler=OTHER_SCHEDULER[plan.scheduler])
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
         return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
     forward = [k for k in estimate.kernels if k.kind == "forward"]
     backward = [k for k in estimate.kernels if k.kind != "forward"]
-    sums = {} if variant == "plan" else dict(row_sums=plan.row_sums, scheduler=plan.scheduler)
-    return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **sums)
+    choices = {} if variant == "plan" else dict(row_sums=plan.row_sums, scheduler=plan.scheduler)
+    return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **choices)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from helpers import sharded_plans
 import torch_splash_jax
 from torch_splash_jax import SplashConstraintError
 from torch_splash_jax import masks as M
+from torch_splash_jax.tpu_check.ring import device_by_device
 
 _BLOCKS = torch_splash_jax.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
 # The ring on each kernel: JAX's at the blocks above, or the active kernels (planned: the tests
@@ -50,61 +51,11 @@ def ring_reproduces_the_unsharded_call(
 
 def ring_device_by_device(plan, q, k, v, d_out, ids=None, sink=None) -> list[np.ndarray]:
     """The ring's output, dq, dk, dv (and d_sinks) for whole-sequence inputs, its step programs run
-    device by device: each device's shards, every step's tables, dk and dv passed with their keys."""
-    shards = plan.q_shards
+    device by device (`tpu_check.ring.device_by_device`, as the chip runs them)."""
     ring = torch_splash_jax.program(plan)
-    rows = plan.shard_positions()[:, : plan.q_len]
     keys = ring.steps[0].plan.ring_kv_positions()[:, : plan.kv_len]  # device d's own keys at step 0
     assert sorted(keys.reshape(-1).tolist()) == list(range(keys.size))  # every key on one device
-    k = ring.scaled_keys(k)  # the keys travel scaled (each device scales its own shard once)
-
-    def inputs(s, d):
-        held = keys[(d - s) % shards]
-        named = dict(q=q[:, :, rows[d]], k=k[:, :, held], v=v[:, :, held])
-        if ids is not None:
-            named.update(q_ids=ids[:, rows[d]], kv_ids=ids[:, held])
-        return named, [jnp.asarray(t) for t in ring.steps[s].device_tables(d)]
-
-    acc = [{} for _ in range(shards)]
-    for s in range(shards):
-        for d in range(shards):
-            named, tables = inputs(s, d)
-            acc[d] = dict(
-                zip(("out_acc", "lse_acc"), ring.forward[s](*ring.arguments("forward", s, tables, **named, **acc[d])))
-            )
-    finished = [ring.finish(*ring.arguments("finish", sinks=sink, **acc[d])) for d in range(shards)]
-
-    # the backward: dq stays with its rows, dk and dv travel with their keys (indexed by shard here)
-    dq_acc, dkv_acc = [{} for _ in range(shards)], [{} for _ in range(shards)]
-    for s in range(shards):
-        for d in range(shards):
-            named, tables = inputs(s, d)
-            o, shard_lse = finished[d]
-            held = (d - s) % shards
-            dq, dk, dv = ring.backward[s](
-                *ring.arguments(
-                    "backward",
-                    s,
-                    tables,
-                    **named,
-                    out=o,
-                    lse=shard_lse,
-                    d_out=d_out[:, :, rows[d]],
-                    **dq_acc[d],
-                    **dkv_acc[held],
-                )
-            )
-            dq_acc[d], dkv_acc[held] = dict(dq_acc=dq), dict(dk_acc=dk, dv_acc=dv)
-    got = [np.zeros(x.shape, np.float64) for x in (d_out, q, k, v)]
-    for d in range(shards):
-        got[0][:, :, rows[d]] = finished[d][0]
-        got[1][:, :, rows[d]] = dq_acc[d]["dq_acc"]
-        got[2][:, :, keys[d]] = dkv_acc[d]["dk_acc"]
-        got[3][:, :, keys[d]] = dkv_acc[d]["dv_acc"]
-    if sink is not None:
-        grads = [ring.sinks_grad(o, lse_d, d_out[:, :, rows[d]], sink) for d, (o, lse_d) in enumerate(finished)]
-        got.append(sum(np.asarray(g) for g in grads))
-    return got
+    return device_by_device(ring, q, k, v, d_out, ids, sink)[0]
 
 
 # Every family in both layouts on JAX's kernels, which a ring runs by default for masks read from

@@ -390,6 +390,7 @@ def active_row_sums(generation: str | None, head_dim_v: int) -> str:
 # scheduler`, `active_kernels.SCHEDULER_FLAGS`): where its schedules of the training step's kernels
 # are shorter over the calls of `./dev.sh bench-active-kernels` ("Scheduler"; libtpu 0.0.52).
 LP_SCHEDULER = frozenset({"v7x"})
+OTHER_SCHEDULER = {"default": "lp", "lp": "default"}  # what the benchmarks set against each choice
 
 
 def active_scheduler(generation: str | None) -> str:

@@ -69,7 +69,8 @@ class Plan:
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
     # The TPU generation the program is built for, where the caller knows it (kernel_limits.GENERATIONS):
-    # per-generation choices are made from it (`row_sums`). None: the choices that serve every generation.
+    # per-generation choices are made from it (`row_sums`, `scheduler`). None: the choices that serve every
+    # generation.
     generation: str | None = None
     # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
     # "mxu" (`active_kernels.with_ones`); `plan` chooses per generation (block_planning.active_row_sums).

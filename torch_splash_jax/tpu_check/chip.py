@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import compat
+from ..block_planning import OTHER_SCHEDULER
 from ..errors import SplashConstraintError
 from ..kernel_limits import DEVICE_KINDS
 from ..plan import Plan, with_kernels
@@ -183,7 +184,6 @@ def _active(plan, backward: str = "active"):
         return None
 
 
-OTHER_SCHEDULER = {"default": "lp", "lp": "default"}
 OTHER_SCHEDULER_VARIANT = "plan, active kernels, other scheduler"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,7 +46,7 @@ def rows(platform: str, quick: bool, timed) -> list[dict]:
             **common, block_sizes=blocks, q_shards=shards, sequence_layout="balanced", context_parallel="ring"
         )
         start = time.perf_counter()
-        got, forward_s, backward_s = _ring(cached_program(plan), q, k, v, d_out, timed)
+        got, forward_s, backward_s = device_by_device(cached_program(plan), q, k, v, d_out, timed=timed)
         errors = {name: relative_error(x, r) for name, x, r in zip(("out", "dq", "dk", "dv"), got, expected)}
         found.append(
             dict(
@@ -68,28 +67,34 @@ def rows(platform: str, quick: bool, timed) -> list[dict]:
     return found
 
 
-def _ring(ring, q, k, v, d_out, timed):
-    """The ring's output, dq, dk, dv for whole-sequence inputs, device after device, and the
-    seconds of each of device 0's forward and backward steps."""
+def device_by_device(ring, q, k, v, d_out, ids=None, sink=None, timed=None):
+    """The ring's output, dq, dk, dv (and, given `sink`, the sinks' gradient) for whole-sequence
+    inputs, as float32 arrays, its step programs run device after device: each device's shards,
+    every step's tables, dk and dv handed on with the keys they belong to; ids (B, L) segment ids.
+    With `timed` (a function that times one call) also the seconds of each of device 0's forward
+    and backward steps (else two empty lists)."""
     plan, shards = ring.plan, ring.plan.q_shards
     rows_of = plan.shard_positions()[:, : plan.q_len]
     keys_of = ring.steps[0].plan.ring_kv_positions()[:, : plan.kv_len]  # each device's own keys
-    k = ring.scaled_keys(k)
+    k = ring.scaled_keys(k)  # the keys travel scaled (each device scales its own shard once)
     tables = [[[jnp.asarray(t) for t in step.device_tables(d)] for d in range(shards)] for step in ring.steps]
 
     def held(s, d):
         keys = keys_of[(d - s) % shards]
-        return dict(q=q[:, :, rows_of[d]], k=k[:, :, keys], v=v[:, :, keys])
+        named = dict(q=q[:, :, rows_of[d]], k=k[:, :, keys], v=v[:, :, keys])
+        if ids is not None:
+            named.update(q_ids=ids[:, rows_of[d]], kv_ids=ids[:, keys])
+        return named
 
     forward_s, backward_s = [], []
     sums = [{} for _ in range(shards)]
     for s in range(shards):
         for d in range(shards):
             args = ring.arguments("forward", s, tables[s][d], **held(s, d), **sums[d])
-            if d == 0:
+            if timed is not None and d == 0:
                 forward_s.append(timed(ring.forward[s], *args))
             sums[d] = dict(zip(("out_acc", "lse_acc"), ring.forward[s](*args)))
-    finished = [ring.finish(*ring.arguments("finish", **sums[d])) for d in range(shards)]
+    finished = [ring.finish(*ring.arguments("finish", sinks=sink, **sums[d])) for d in range(shards)]
     dq, dkv = [{} for _ in range(shards)], [{} for _ in range(shards)]
     for s in range(shards):
         for d in range(shards):
@@ -99,7 +104,7 @@ def _ring(ring, q, k, v, d_out, timed):
                 "backward", s, tables[s][d], **held(s, d), out=out, lse=lse, d_out=d_out[:, :, rows_of[d]],
                 **dq[d], **dkv[mine],
             )  # fmt: skip
-            if d == 0:
+            if timed is not None and d == 0:
                 backward_s.append(timed(ring.backward[s], *args))
             dq[d]["dq_acc"], dk, dv = ring.backward[s](*args)
             dkv[mine] = dict(dk_acc=dk, dv_acc=dv)
@@ -109,5 +114,7 @@ def _ring(ring, q, k, v, d_out, timed):
         got[1][:, :, rows_of[d]] = np.asarray(dq[d]["dq_acc"], np.float32)
         got[2][:, :, keys_of[d]] = np.asarray(dkv[d]["dk_acc"], np.float32)
         got[3][:, :, keys_of[d]] = np.asarray(dkv[d]["dv_acc"], np.float32)
-    jax.block_until_ready(got)
+    if sink is not None:
+        grads = [ring.sinks_grad(o, lse, d_out[:, :, rows_of[d]], sink) for d, (o, lse) in enumerate(finished)]
+        got.append(sum(np.asarray(g, np.float32) for g in grads))
     return got, forward_s, backward_s
