@@ -13,7 +13,7 @@ other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of w
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
 the device.
 
-    ./dev.sh bench-active-kernels            # 10 calls, 4 generations, 3 or 4 programs: about 30 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 3 or 4 programs: about 21 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
