@@ -211,23 +211,19 @@ def _variants(call: Call, platform: str) -> dict:
     else:
         program = cached_program(plan)
         variants["plan"] = (program.forward, _step(program), lambda n: _named_arrays(call, program, n, "forward"))
-        for name, backward in (("plan, active forward", "splash"), ("plan, active kernels", "active")):
-            active = _active(plan, backward)
-            if active is not None:
-                fast = cached_program(active)
+        active = _active(plan)
+        kernels = [("plan, active forward", _active(plan, "splash")), ("plan, active kernels", active)]
+        if active is not None and not interpret:  # the chip's verdict on the generation's scheduler
+            other = OTHER_SCHEDULER[active.scheduler]  # (block_planning.LP_SCHEDULER; interpret mode has none)
+            kernels.append((OTHER_SCHEDULER_VARIANT, dataclasses.replace(active, scheduler=other)))
+        for name, fast_plan in kernels:
+            if fast_plan is not None:
+                fast = cached_program(fast_plan)
                 variants[name] = (
                     fast.forward,
                     _step(fast),
                     lambda n, fast=fast: _named_arrays(call, fast, n, "forward"),
                 )
-        active = None if interpret else _active(plan)  # interpret mode has no scheduler
-        if active is not None:  # the chip's verdict on the generation's scheduler (block_planning.LP_SCHEDULER)
-            other = cached_program(dataclasses.replace(active, scheduler=OTHER_SCHEDULER[active.scheduler]))
-            variants[OTHER_SCHEDULER_VARIANT] = (
-                other.forward,
-                _step(other),
-                lambda n, other=other: _named_arrays(call, other, n, "forward"),
-            )
         if plan.batch > 1 and plan.batch_in_heads and plan.num_kv_heads > 1:
             loop = Program(plan, batch_in_heads=False)
             variants["plan, a call per batch element"] = (
