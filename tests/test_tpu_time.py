@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -133,6 +134,19 @@ def test_kernel_time_counts_each_region_for_the_steps_that_run_it(tmp_path, monk
     assert fitted.uncorrected_seconds == pytest.approx(t.seconds)
 
 
+def test_a_kernel_fits_one_instruction_overlay_with_a_twentieth_of_it_to_spare(tmp_path, monkeypatch):
+    """KernelTime carries the kernel's code length and the generation's overlay: a kernel longer
+    than OVERLAY_SHARE of it does not fit (its schedule's pace does not hold on the chip)."""
+    s = _grid_kernel(tmp_path)
+    work = tpu_time.Work("forward", units=1, steps=1, first=1, last=1, full=1, partial=0, flops=0.0, read_bytes=0.0)
+    t = tpu_time.kernel_time(s, work, "v5e")
+    assert (t.program_bundles, t.overlay_bundles) == (40, tpu_time.CHIPS["v5e"].overlay_bundles) and t.fits_overlay
+    room = int(tpu_time.estimate.OVERLAY_SHARE * t.overlay_bundles)
+    assert dataclasses.replace(t, program_bundles=room).fits_overlay
+    assert not dataclasses.replace(t, program_bundles=room + 1).fits_overlay
+    assert dataclasses.replace(t, program_bundles=10**6, overlay_bundles=0).fits_overlay  # results from before
+
+
 def test_one_unit_walking_a_list_a_head_is_split_over_two_cores_as_a_unit_a_list(tmp_path):
     """An active kernel with one list a query head (per-head masks): the kernel call is one unit
     of the batch, walking 4 lists that the grid's parallel axis gives v5p's two cores 2 each, as
@@ -233,6 +247,36 @@ def test_torch_splash_s_training_step_is_estimated_kernel_by_kernel():
     fwd = next(k for k in step.kernels if k.kind == "forward")
     assert fwd.flops == 2.0 * 8 * 36 * 512 * 512 * 256
     assert step.rest_seconds >= 0 and step.seconds > forward.seconds
+
+
+OVERLAY_SIZES = """
+import sys
+import jax, jax.numpy as jnp
+from torch_splash_jax import tpu_time
+from torch_splash_jax.tpu_time import aot
+for generation in sys.argv[1:]:
+    device = aot.devices(tpu_time.chip(generation).topology)[0]
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    print("@@generation", generation, file=sys.stderr, flush=True)  # the compiler logs to stderr too
+    jax.jit(jnp.sin).trace(x).lower().compile()
+"""
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_each_generation_s_instruction_overlay_is_the_one_libtpu_logs(tmp_path):
+    """Chip.overlay_bundles is the "jumbo" overlay the estimator's libtpu cuts programs into."""
+    env = tpu_time.environment(LIBTPU, str(tmp_path))
+    env.update(TPU_VMODULE="overlay_partitioner=1", TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")
+    command = [sys.executable, "-c", OVERLAY_SIZES, *tpu_time.CHIPS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    logged = {}
+    for part in done.stderr.split("@@generation ")[1:]:
+        generation, log = part.split("\n", 1)
+        sizes = re.findall(r"regular/jumbo/hlo overlay size \d+/(\d+)/\d+", log)
+        logged[generation] = int(sizes[0]) if sizes else None
+    assert logged == {name: c.overlay_bundles for name, c in tpu_time.CHIPS.items()}
 
 
 MXU_BOUND = """
@@ -483,3 +527,20 @@ def test_the_active_kernels_are_estimated_by_the_tiles_their_blocks_take():
     # the skipped tiles must not be counted
     for kind, least in (("forward", 0.45), ("dkv", 0.4)):
         assert least < causal[kind].schedule_seconds / full[kind].schedule_seconds < 0.7, kind
+
+
+@pytest.mark.torchtpu
+@needs_libtpu
+def test_a_backward_whose_code_outgrows_the_overlay_is_flagged_where_the_v5e_ran_it_slow():
+    """head_dim 256, causal, 2048-key blocks (v6e's plan): on v6e every kernel fits one instruction
+    overlay; compiled for the v5e, the backward's code does not (78.3K bundles at 16K: the chip ran
+    that step 1.50x as long as its estimate), while its forward does (53.3K: at its pace). The code
+    is the blocks' whatever the length: 8K here."""
+    shape = dict(q_len=8192, num_q_heads=2, head_dim=256, dtype="bfloat16", mask=torch_splash_jax.CausalMask())
+    plan = torch_splash_jax.plan(platform="tpu", generation="v6e", **shape)
+    assert plan.active_block_kv == 2048 and plan.forward_kernel == plan.backward_kernel == "active"
+    fits = {}
+    for generation in ("v6e", "v5e"):
+        estimate = tpu_time.estimate_in_subprocess(plan, generation, True, libtpu_dir=LIBTPU)
+        fits[generation] = {k.kind: k.fits_overlay for k in estimate.kernels}
+    assert fits == {"v6e": {"forward": True, "dkv": True}, "v5e": {"forward": True, "dkv": False}}

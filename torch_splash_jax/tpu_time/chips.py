@@ -19,6 +19,7 @@ class Chip:
     hbm_bandwidth: float  # bytes per second, per JAX device
     cores: int  # TensorCores behind one JAX device (a megacore chip runs one kernel on two)
     macs_per_bundle: int  # MXU multiply-adds one bundle issues at full MATMUL occupancy, per core
+    overlay_bundles: int  # the compiler's largest instruction overlay ("jumbo"), in bundles (below)
 
     @property
     def clock(self) -> float:
@@ -30,12 +31,19 @@ class Chip:
 # fully occupied bundles carry 2**18 multiply-adds at head_dim 256 and half that at 128 (a contraction
 # of 128 fills half of a 256 x 256 MXU). tests/test_tpu_time.py reads both from tokamax's MXU-bound
 # forward (2048 x 2048 blocks): multiply-adds over the MATMUL slots its steps use.
+#
+# overlay_bundles: a TensorCore runs its program from an instruction memory that holds part of it;
+# the compiler cuts a longer program into overlays, loaded from HBM as control reaches them. A
+# kernel whose code fits one "jumbo" overlay runs its grid loop from instruction memory; a longer
+# one reloads overlays at every grid step (`KernelTime.fits_overlay`). The sizes are libtpu
+# 0.0.52's (the estimator's), from its log (`TPU_VMODULE=overlay_partitioner=1`, "regular/jumbo/hlo
+# overlay size"; tests/test_tpu_time.py reads them again); the v5e's libtpu 0.0.42.1 logs the same.
 CHIPS = {
-    "v5e": Chip("v5e", "v5e:2x2", 197e12, 819e9, 1, 4 * 128 * 128),
-    "v5p": Chip("v5p", "v5p:2x2x1", 459e12, 2765e9, 2, 4 * 128 * 128),
-    "v6e": Chip("v6e", "v6e:2x2", 918e12, 1638e9, 1, 1 << 18),
+    "v5e": Chip("v5e", "v5e:2x2", 197e12, 819e9, 1, 4 * 128 * 128, 65232),
+    "v5p": Chip("v5p", "v5p:2x2x1", 459e12, 2765e9, 2, 4 * 128 * 128, 65176),
+    "v6e": Chip("v6e", "v6e:2x2", 918e12, 1638e9, 1, 1 << 18, 65168),
     # two TensorCores per chip, each its own JAX device with half the chip's peak and bandwidth
-    "v7x": Chip("v7x", "tpu7x:2x2x1", 2307e12 / 2, 7380e9 / 2, 1, 1 << 18),
+    "v7x": Chip("v7x", "tpu7x:2x2x1", 2307e12 / 2, 7380e9 / 2, 1, 1 << 18, 65056),
 }
 assert tuple(CHIPS) == GENERATIONS  # the planner's generations (Plan.generation) are the estimator's
 # The only fitted numbers: per generation, the clock under load, as a factor on the schedule's time

@@ -49,6 +49,15 @@ from .libtpu import compile_schedules, environment, estimator_libtpu_dir, libtpu
 from .schedule import Schedule, ScheduleError
 from .work import Work, active_backward_work, active_work, tables_work
 
+# A kernel whose code is longer than one instruction overlay reloads overlays from HBM at every
+# grid step, which its schedule does not show. On the v5e (libtpu 0.0.42.1; B=1, 16K, bf16), kernels
+# the compiler kept in one overlay ran at their estimate's pace (0.88x to 0.99x; up to 60.5K
+# bundles: a D=256 forward with 2048-key blocks), and every backward it split over overlays ran
+# 1.53x to 1.86x as long (65.5K to 92.0K bundles), as had forwards of 80.5K to 113.3K (2.1x to
+# 3.0x). The chip's libtpu compiled these kernels 4.7% shorter to 3.4% longer than the estimator's,
+# so a kernel fits with 5% of the overlay to spare (docs/tpu_time.md, "Instruction overlays").
+OVERLAY_SHARE = 0.95
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelTime:
@@ -68,6 +77,14 @@ class KernelTime:
     output_bytes: int  # its results, as the compiled program lays them out
     mxu_utilization: float  # flops over seconds x peak
     binding_unit: str  # the unit with the highest occupancy on the path the steps run
+    program_bundles: int = 0  # the kernel's code (`Schedule.bundles`); 0: not read
+    overlay_bundles: int = 0  # the generation's largest instruction overlay (`Chip.overlay_bundles`)
+
+    @property
+    def fits_overlay(self) -> bool:
+        """Whether the kernel's code fits one instruction overlay, with OVERLAY_SHARE of it to
+        spare: where it does not, the estimate (a schedule's pace) does not hold."""
+        return not self.overlay_bundles or self.program_bundles <= OVERLAY_SHARE * self.overlay_bundles
 
     @property
     def seconds(self) -> float:
@@ -207,6 +224,8 @@ def kernel_time(
         output_bytes=output_bytes,
         mxu_utilization=work.flops / (seconds * target.peak_flops) if seconds else 0.0,
         binding_unit=_busiest(schedule, used, work, per_unit),
+        program_bundles=schedule.bundles,
+        overlay_bundles=target.overlay_bundles,
     )
 
 
