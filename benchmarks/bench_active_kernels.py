@@ -5,15 +5,18 @@ step's program (forward, then backward) of the plan, and of the plan with
 `BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
 generation (`Plan.generation`); on every generation also the active kernels scheduled by the TPU
 compiler's other scheduler ("other scheduler", `Plan.scheduler`: its default or LP, of which
-`block_planning.LP_SCHEDULER` chooses), and on v6e and v7x with their forward's rows summed the
+`block_planning.LP_SCHEDULER` chooses), on v6e and v7x with their forward's rows summed the
 other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
-`block_planning.SUMS_ON_MXU` chooses). Every figure is an estimate
+`block_planning.SUMS_ON_MXU` chooses), and at head_dim above 128 with the other longest key block
+("other key blocks", `Plan.active_block_kv`: 1024 or 2048, of which `block_planning.
+WIDE_HEADS_BLOCK_KV` chooses; a choice must keep every kernel's code in one instruction overlay,
+`tpu_time.KernelTime.fits_overlay`). Every figure is an estimate
 (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
 (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
 the device.
 
-    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 3 or 4 programs: about 21 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 3 to 5 programs: about 22 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
@@ -60,16 +63,21 @@ def _kernels(kernels, generation: str) -> dict:
         mxu=sum(k.flops for k in kernels) / seconds / chip(generation).peak_flops if seconds else 0.0,
         binding_unit=max(kernels, key=lambda k: k.seconds).binding_unit,
         flops=sum(k.flops for k in kernels),
+        fits_overlay=all(k.fits_overlay for k in kernels),
+        program_bundles=max(k.program_bundles for k in kernels),
     )
 
 
-VARIANTS = ("plan", "active", "other scheduler", "other sums")
+VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks")
+OTHER_BLOCK_KV = {1024: 2048, 2048: 1024}  # at head_dim above 128 (`block_planning.active_block_kv`)
 
 
-def _variants(generation: str, head_dim_v: int) -> tuple:
-    from torch_splash_jax.block_planning import mxu_columns_left_idle
+def _variants(generation: str, call) -> tuple:
+    from torch_splash_jax.block_planning import LANES, mxu_columns_left_idle
 
-    return VARIANTS if mxu_columns_left_idle(generation, head_dim_v) else VARIANTS[:3]
+    sums = mxu_columns_left_idle(generation, call.dv)
+    wide = max(call.head_dim, call.dv) > LANES
+    return VARIANTS[:3] + ("other sums",) * sums + ("other key blocks",) * wide
 
 
 def _estimate(call, generation: str, variant: str) -> dict:
@@ -91,13 +99,17 @@ def _estimate(call, generation: str, variant: str) -> dict:
         plan = dataclasses.replace(plan, row_sums="vector" if plan.row_sums == "mxu" else "mxu")
     if variant == "other scheduler":
         plan = dataclasses.replace(plan, scheduler=OTHER_SCHEDULER[plan.scheduler])
+    if variant == "other key blocks":
+        plan = dataclasses.replace(plan, active_block_kv=OTHER_BLOCK_KV[plan.active_block_kv])
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
         return dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
     forward = [k for k in estimate.kernels if k.kind == "forward"]
     backward = [k for k in estimate.kernels if k.kind != "forward"]
-    choices = {} if variant == "plan" else dict(row_sums=plan.row_sums, scheduler=plan.scheduler)
+    choices = {}
+    if variant != "plan":
+        choices = dict(row_sums=plan.row_sums, scheduler=plan.scheduler, active_block_kv=plan.active_block_kv)
     return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **choices)
 
 
@@ -107,7 +119,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     options = parser.parse_args()
     generations = QUICK_GENERATIONS if options.quick else GENERATIONS
-    jobs = [(call, g, v) for call in _calls(options.quick) for g in generations for v in _variants(g, call.dv)]
+    jobs = [(call, g, v) for call in _calls(options.quick) for g in generations for v in _variants(g, call)]
     with concurrent.futures.ThreadPoolExecutor(options.workers) as pool:
         found = list(pool.map(lambda job: _estimate(*job), jobs))
     rows = {}

@@ -892,8 +892,9 @@ def _active_kernels(r: dict) -> str:
         lines += [
             f"{what}, estimated ms: the plan's JAX splash / the active-block kernels (their ratio; the active "
             "kernels' MXU use, their matmul flops over their time at the generation's peak; their binding unit, by "
-            "the estimate). On v5e, the estimate's error against the chip's measured time (tpu_check's run; the "
-            "backward measured as step minus forward, which also holds the XLA ops around the kernels), plan / active.",
+            "the estimate; † a kernel's code outgrows one instruction overlay). On v5e, the estimate's error "
+            "against the chip's measured time (tpu_check's run; the backward measured as step minus forward, which "
+            "also holds the XLA ops around the kernels), plan / active.",
             "",
             "| call | " + " | ".join(generations) + " | v5e error, plan / active |",
             "|---|" + "---|" * (len(generations) + 1),
@@ -911,8 +912,9 @@ def _active_kernels(r: dict) -> str:
                 if part == "forward" and name in calls and forward_flops(calls[name]):
                     share = forward_flops(calls[name]) / active["seconds"] / generation_chip(generation).peak_flops
                 mxu = f"{share:.0%}, "
+                outgrown = ["" if x.get("fits_overlay", True) else "†" for x in (plan, active)]
                 cells.append(
-                    f"{plan['seconds'] * 1e3:.2f} / {active['seconds'] * 1e3:.2f} "
+                    f"{plan['seconds'] * 1e3:.2f}{outgrown[0]} / {active['seconds'] * 1e3:.2f}{outgrown[1]} "
                     f"({active['seconds'] / plan['seconds']:.2f}x; {mxu}{active['binding_unit']})"
                 )
             error = ""
@@ -925,6 +927,7 @@ def _active_kernels(r: dict) -> str:
         lines.append("")
     lines += _sums_on_mxu(r, rows)
     lines += _scheduler(r, rows)
+    lines += _key_blocks(r, rows)
     lines += [line for note in r.get("notes", ()) for line in (note, "")]
     return "\n".join(lines[:-1])
 
@@ -958,6 +961,27 @@ def _scheduler(r: dict, rows: dict) -> list[str]:
     )
 
 
+def _key_blocks(r: dict, rows: dict) -> list[str]:
+    """The active kernels at head_dim above 128 with 1024- against 2048-key blocks (`Plan.active_block_kv`),
+    where both were estimated; the generation's choice starred."""
+    return _choice_table(
+        r,
+        rows,
+        "other key blocks",
+        "active_block_kv",
+        (1024, 2048),
+        "Key blocks: the active kernels with keys in blocks of at most 1024 / 2048 (`Plan.active_block_kv`, at "
+        "head_dim above 128), estimated ms of the forward (their ratio; the step's ratio); * the generation's choice "
+        "(`block_planning.WIDE_HEADS_BLOCK_KV`); † a kernel's code outgrows one instruction overlay "
+        "(`tpu_time.KernelTime.fits_overlay`), where the chip runs slower than the estimate says.",
+    )
+
+
+def _overlay_mark(result: dict) -> str:
+    """† where a kernel's code outgrows one instruction overlay (results from before say nothing)."""
+    return "" if all(result.get(p, {}).get("fits_overlay", True) for p in ("forward", "backward")) else "†"
+
+
 def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, title: str) -> list[str]:
     """The active kernels at each of a per-generation choice's two values (the plan's and `variant`'s),
     by generation, where both were estimated."""
@@ -980,7 +1004,8 @@ def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, 
             fa, fb = a["forward"]["seconds"], b["forward"]["seconds"]
             star = ("*", "") if row["active"][field] == first else ("", "*")
             ratios = f"({fb / fa:.2f}x; {step[1] / step[0]:.2f}x)"
-            cells.append(f"{fa * 1e3:.2f}{star[0]} / {fb * 1e3:.2f}{star[1]} {ratios}")
+            marks = [star[0] + _overlay_mark(a), star[1] + _overlay_mark(b)]
+            cells.append(f"{fa * 1e3:.2f}{marks[0]} / {fb * 1e3:.2f}{marks[1]} {ratios}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 

@@ -392,6 +392,27 @@ def test_float32_blocks_a_caller_sets_are_held_to_what_compiled():
         blocks(block_q=2048, block_kv=512)
 
 
+def test_the_active_kernels_key_blocks_are_chosen_per_generation_above_head_dim_128():
+    """2048-key blocks at head_dim 128; above it (q's or v's) 2048 on v6e and v7x, where the estimate
+    has the step shorter and every kernel's code in one instruction overlay, and 1024 elsewhere and
+    where the generation is not known; the programs' blocks follow the plan."""
+    from torch_splash_jax.splash_program import Program
+
+    generations = (None, "v5e", "v5p", "v6e", "v7x")
+    fields = dict(q_len=16384, num_q_heads=2, dtype="bfloat16", platform="tpu", mask=torch_splash_jax.CausalMask())
+    for dims, expected in (
+        (dict(head_dim=128), [2048] * 5),
+        (dict(head_dim=256), [1024, 1024, 1024, 2048, 2048]),
+        (dict(head_dim=128, head_dim_v=256), [1024, 1024, 1024, 2048, 2048]),
+    ):
+        plans = [torch_splash_jax.plan(**fields, **dims, generation=g) for g in generations]
+        assert [p.active_block_kv for p in plans] == expected
+        for plan, most in zip(plans, expected):
+            program = Program(plan)
+            assert program.active.blocks["block_kv"] == most
+            assert program.active_backward.blocks["block_kv"] == most
+
+
 def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_and_scheduler_by_it():
     """`Plan.generation` (the caller's, or torch_xla's device's) is one the estimator knows; the
     active forward sums its rows in the MXU on v6e where head_dim_v 128 leaves half of its 256-wide

@@ -350,11 +350,17 @@ def _planned(
 
 # The active-block forward's blocks on v5e (measured, B=1, bf16, 16/16 heads, causal, full and a
 # 4096 window at 16K and 32K: docs/tpu.md "The active-block forward"): 2048 x 2048 blocks in
-# 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks (2048: the
-# forward 0.98x, the step 1.50x). 4096-row q blocks, whose partial blocks take 1024-row tiles, ran
-# causal 2.1x, a window 3.0x as long, where the estimate saw 0.98x and 1.11x: it does not choose
-# these (docs/tpu_time.md).
+# 512-key chunks, partial blocks in 512 x 512 tiles; at head_dim 256, 1024-key blocks where the
+# generation has no entry in WIDE_HEADS_BLOCK_KV. 4096-row q blocks, whose partial blocks take
+# 1024-row tiles, ran causal 2.1x, a window 3.0x as long, where the estimate saw 0.98x and 1.11x:
+# their forwards' code outgrew one instruction overlay (docs/tpu_time.md, "Instruction overlays").
 ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIVE_TILE_ROWS = 2048, 2048, 1024, 512, 512
+# The generations whose active kernels take 2048-key blocks at head_dim above 128 (`Plan.
+# active_block_kv`): where `./dev.sh bench-active-kernels` ("Key blocks"; libtpu 0.0.52) estimates
+# the training step shorter with them and every kernel's code fits one instruction overlay
+# (`tpu_time.KernelTime.fits_overlay`). On v5e and v5p the backward's code outgrows the overlay
+# (78.3K and 79.6K bundles; the v5e ran that step 1.50x as long, its forward 0.99x).
+WIDE_HEADS_BLOCK_KV = {"v6e": 2048, "v7x": 2048}
 ACTIVE_BACKWARD_BLOCK_Q = 1024
 # With a mask read from stored blocks, a partial entry also reads its block of the mask, which TPU
 # memory holds as int32 (`active_kernels.MASK_BYTES`): 16 MiB at 2048 x 2048, twice for the
@@ -406,18 +412,32 @@ def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     return None
 
 
+def active_block_kv(generation: str | None, head_dim: int) -> int:
+    """The active kernels' longest key block for `generation` (None: not known) at `head_dim` (the
+    larger of q's and v's): ACTIVE_BLOCK_KV, and above 128 the generation's WIDE_HEADS_BLOCK_KV or
+    ACTIVE_BLOCK_KV_WIDE_HEADS."""
+    if head_dim <= LANES:
+        return ACTIVE_BLOCK_KV
+    return WIDE_HEADS_BLOCK_KV.get(generation, ACTIVE_BLOCK_KV_WIDE_HEADS)
+
+
 def active_forward_blocks(
-    q_len_padded: int, kv_len_padded: int, head_dim: int, row_multiple: int = SUBLANES, stored: bool = False
+    q_len_padded: int,
+    kv_len_padded: int,
+    head_dim: int,
+    row_multiple: int = SUBLANES,
+    stored: bool = False,
+    most_kv: int | None = None,
 ) -> dict:
     """The active-block forward's blocks for padded lengths (q a multiple of 8, kv of 128): block_q,
     block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles, a multiple of
     row_multiple or the whole block; None where the block is too short to split), each dividing the
     one above it, at most 16 tiles a block. stored: for a mask read from stored blocks (at most
-    ACTIVE_STORED_BLOCK a side)."""
+    ACTIVE_STORED_BLOCK a side). most_kv: the longest key block (`Plan.active_block_kv`; None:
+    `active_block_kv` for an unknown generation)."""
     most = ACTIVE_STORED_BLOCK if stored else ACTIVE_BLOCK_Q
     block_q = _largest_divisor(q_len_padded, most, LANES) or q_len_padded
-    wide = ACTIVE_BLOCK_KV_WIDE_HEADS if head_dim > LANES else ACTIVE_BLOCK_KV
-    wide = min(wide, most)
+    wide = min(most_kv or active_block_kv(None, head_dim), most)
     block_kv = _largest_divisor(kv_len_padded, wide, LANES)
     chunk = _largest_divisor(block_kv, ACTIVE_CHUNK, LANES)
     chunks = block_kv // chunk
@@ -430,8 +450,8 @@ def active_forward_blocks(
 def active_backward_rows(stored: bool) -> tuple[int, ...]:
     """The q block heights the active backward takes, the first whose list fits SMEM: 1024 rows,
     then 2048 where a structured mask's list of 1024-row blocks outgrows it (causal past 452,608
-    tokens: slower on the chip, but served as far as the forward's list). A stored mask's blocks
-    are at most 1024 a side either way."""
+    tokens: served as far as the forward's list). A stored mask's blocks are at most 1024 a side
+    either way."""
     return (ACTIVE_BACKWARD_BLOCK_Q,) if stored else (ACTIVE_BACKWARD_BLOCK_Q, ACTIVE_BLOCK_Q)
 
 
@@ -441,10 +461,13 @@ def active_backward_blocks(
     head_dim: int,
     most_rows: int = ACTIVE_BACKWARD_BLOCK_Q,
     stored: bool = False,
+    most_kv: int | None = None,
 ) -> dict:
     """The active-block backward's blocks: the forward's with q blocks of at most `most_rows` rows
-    (1024: 2048 took 1.66x as long on the chip, and is for lists of 1024-row blocks too long for
-    SMEM) and tile rows a multiple of 128 (the backward holds a tile's logits transposed, its query
-    rows along the lanes); stored as in `active_forward_blocks`."""
+    and tile rows a multiple of 128 (the backward holds a tile's logits transposed, its query rows
+    along the lanes); stored and most_kv as in `active_forward_blocks`. 1024 rows: 2048 is for
+    lists of 1024-row blocks too long for SMEM (the v5e ran the causal 16K step at D=128 0.99x as
+    long with them, at its backward's 57.0K bundles; a 4096 window at 32K, 82.4K bundles over
+    overlays, 1.86x)."""
     block_q = _largest_divisor(q_len_padded, most_rows, LANES) or q_len_padded
-    return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES, stored)
+    return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES, stored, most_kv)

@@ -19,6 +19,7 @@ from .block_planning import (
     PLATFORMS,
     active_backward_blocks,
     active_backward_rows,
+    active_block_kv,
     active_forward_blocks,
     active_row_sums,
     active_scheduler,
@@ -69,8 +70,8 @@ class Plan:
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
     # The TPU generation the program is built for, where the caller knows it (kernel_limits.GENERATIONS):
-    # per-generation choices are made from it (`row_sums`, `scheduler`). None: the choices that serve every
-    # generation.
+    # per-generation choices are made from it (`row_sums`, `scheduler`, `active_block_kv`). None: the choices
+    # that serve every generation.
     generation: str | None = None
     # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
     # "mxu" (`active_kernels.with_ones`); `plan` chooses per generation (block_planning.active_row_sums).
@@ -78,6 +79,9 @@ class Plan:
     # The TPU compiler's scheduler for the active kernels: "default" or "lp" (`active_kernels.
     # compiler_params`); `plan` chooses per generation (block_planning.active_scheduler).
     scheduler: str = "default"
+    # The active kernels' longest key block; `plan` chooses per generation and head_dim (block_planning.
+    # active_block_kv). None: the choice for an unknown generation.
+    active_block_kv: int | None = None
 
     @property
     def ring(self) -> bool:
@@ -272,6 +276,7 @@ def plan(
         generation=generation,
         row_sums=active_row_sums(generation, head_dim_v),
         scheduler=active_scheduler(generation),
+        active_block_kv=active_block_kv(generation, max(head_dim, head_dim_v)),
     )
     unserved = _unserved_sharding(mask, q_shards, head_shards, context_parallel) is not None
     forward_kernel, backward_kernel = _kernels(block_sizes, unserved, planned, table_heads)
@@ -343,8 +348,9 @@ def _active_blocks(plan: Plan, backward: bool, stored: bool) -> dict:
     blocks, its fallback)."""
     (q_len, kv_len), head_dim = plan.active_block_lengths(), max(plan.head_dim, plan.head_dim_v)
     if backward:
-        return active_backward_blocks(q_len, kv_len, head_dim, active_backward_rows(stored)[-1], stored)
-    return active_forward_blocks(q_len, kv_len, head_dim, stored=stored)
+        most_rows = active_backward_rows(stored)[-1]
+        return active_backward_blocks(q_len, kv_len, head_dim, most_rows, stored, plan.active_block_kv)
+    return active_forward_blocks(q_len, kv_len, head_dim, stored=stored, most_kv=plan.active_block_kv)
 
 
 def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:

@@ -444,7 +444,9 @@ class _ActiveForward:
         self.sharded = plan.q_shards > 1
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
-        self._plan_list(active_forward_blocks(*plan.active_block_lengths(), head_dim, stored=stored))
+        self._plan_list(
+            active_forward_blocks(*plan.active_block_lengths(), head_dim, stored=stored, most_kv=plan.active_block_kv)
+        )
         _check_entries(self, plan, "forward_kernel")
 
     def _plan_list(self, b: dict) -> None:
@@ -563,7 +565,8 @@ class _ActiveBackward(_ActiveForward):
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
         for most_rows in active_backward_rows(stored):
-            self._plan_list(active_backward_blocks(*plan.active_block_lengths(), head_dim, most_rows, stored))
+            lengths = plan.active_block_lengths()
+            self._plan_list(active_backward_blocks(*lengths, head_dim, most_rows, stored, plan.active_block_kv))
             if self.entries <= active_table_entries(self.stored is not None):
                 break
         _check_entries(self, plan, "backward_kernel")
