@@ -1006,7 +1006,8 @@ def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, 
             ratios = f"({fb / fa:.2f}x; {step[1] / step[0]:.2f}x)"
             marks = [star[0] + _overlay_mark(a), star[1] + _overlay_mark(b)]
             cells.append(f"{fa * 1e3:.2f}{marks[0]} / {fb * 1e3:.2f}{marks[1]} {ratios}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if any(cells):  # calls the choice does not apply to (Key blocks: head_dim 128) have no row
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
