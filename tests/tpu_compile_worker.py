@@ -262,6 +262,7 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
                     planned_for=getattr(plan, "generation", None),
                     row_sums=getattr(plan, "row_sums", None),
                     scheduler=getattr(plan, "scheduler", None),
+                    active_block_kv=getattr(plan, "active_block_kv", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))
