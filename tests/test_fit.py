@@ -2,6 +2,7 @@
 TPU. The compiler runs in a process of its own with the libtpu ./dev.sh installs
 ($TORCH_SPLASH_LIBTPU_DIR); the step is built on torch_xla's CPU device and never executed."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -61,6 +62,15 @@ def test_the_step_s_attention_time_is_estimated_beside_its_hbm():
     assert report.attention_seconds == pytest.approx(alone.kernel_seconds)
     assert report.rest_seconds is not None and report.rest_seconds > 0
     assert "attention kernels, 1 call" in str(report) and "XLA's own estimate" in str(report)
+
+
+def test_a_report_says_how_many_kernels_outgrow_one_instruction_overlay():
+    """The estimate of a kernel whose code outgrows one overlay does not hold: the report says so."""
+    report = fit.Report("v5e:2x2", 1, True, 16 << 30, total=1 << 30, attention_seconds=0.02, attention_calls=1)
+    assert "overlay" not in str(report)
+    assert "1 of their kernels' code outgrows one instruction overlay" in str(
+        dataclasses.replace(report, attention_outgrown=1)
+    )
 
 
 def test_a_step_too_large_for_the_chip_is_reported_with_the_compiler_s_figure():

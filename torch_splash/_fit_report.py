@@ -78,6 +78,8 @@ class Report:
     attention_seconds: float | None = None
     attention_calls: int = 0
     rest_seconds: float | None = None  # xla_estimated_cycles at the estimator's clock
+    # of those calls' kernels, the ones whose code outgrows one instruction overlay (`Estimate.outgrown`)
+    attention_outgrown: int = 0
     # From a script (run_script, the command): the step checked ("step 1", "steady state (step 2)")
     # and how it was chosen
     step: str | None = None
@@ -110,4 +112,10 @@ class Report:
             )
             if self.rest_seconds is not None:
                 text += f"; the rest of the step, XLA's own estimate: {self.rest_seconds * 1e3:.3f} ms"
+            if self.attention_outgrown:
+                text += (
+                    f"\n  {self.attention_outgrown} of their kernels' code outgrows one instruction overlay: "
+                    "the chip reloads it at every grid step and may take 1.5x to 3x the estimate there "
+                    "(docs/tpu_time.md, 'Instruction overlays'); other block sizes may fit"
+                )
         return text + notes

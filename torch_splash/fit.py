@@ -69,7 +69,8 @@ def kernel_time(q, k, v, mask=None, *, generation: str, backward: bool | None = 
     query rows against a longer cache: `torch_splash_jax.decode`), which `attention` runs without
     gradients, in the decode kernel. `kernel="decode"` or `"splash"` chooses as `attention` does.
     Returns an Estimate: `.seconds` (kernels and, at XLA's own estimate, the ops around them),
-    `.kernels` (each kernel's KernelTime), `.mxu_utilization`, `.binding_unit`.
+    `.kernels` (each kernel's KernelTime), `.mxu_utilization`, `.binding_unit`, `.outgrown` (the
+    kernels whose code outgrows one instruction overlay, where the estimate does not hold).
     """
     from torch_splash_jax import tpu_time
 
@@ -128,15 +129,18 @@ def _with_time(report: Report, calls: list) -> Report:
     generation, _ = parse_topology(report.topology)
     tpu_time.chip(generation)  # an error listing the generations the estimator knows
     folder = str(libtpu_dir(tpu_time.ESTIMATOR_LIBTPU, "TORCH_SPLASH_ESTIMATOR_LIBTPU_DIR"))
-    seconds, estimates = 0.0, {}
+    seconds, outgrown, estimates = 0.0, 0, {}
     for plan, backward in calls:
         if (plan, backward) not in estimates:
             estimates[plan, backward] = tpu_time.estimate_in_subprocess(plan, generation, backward, folder)
         seconds += estimates[plan, backward].kernel_seconds
+        outgrown += len(estimates[plan, backward].outgrown)
     rest = None
     if report.xla_estimated_cycles is not None:
         rest = report.xla_estimated_cycles / tpu_time.chip(generation).clock
-    return dataclasses.replace(report, attention_seconds=seconds, attention_calls=len(calls), rest_seconds=rest)
+    return dataclasses.replace(
+        report, attention_seconds=seconds, attention_calls=len(calls), rest_seconds=rest, attention_outgrown=outgrown
+    )
 
 
 def largest_fitting(make_step, lengths, *, topology: str = "v5e") -> tuple[int | None, dict[int, Report]]:

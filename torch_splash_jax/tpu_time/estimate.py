@@ -125,6 +125,12 @@ class Estimate:
     def binding_unit(self) -> str:
         return max(self.kernels, key=lambda kernel: kernel.seconds).binding_unit if self.kernels else "none"
 
+    @property
+    def outgrown(self) -> tuple:
+        """The kernels whose code outgrows one instruction overlay (`KernelTime.fits_overlay`): their
+        estimate does not hold."""
+        return tuple(kernel for kernel in self.kernels if not kernel.fits_overlay)
+
 
 def roles(schedule: Schedule) -> list[tuple[schedule_lib.Region, str, int]]:
     """[(region, role, bundles counted)] of the grid loop's conditional regions.
