@@ -912,7 +912,7 @@ def _active_kernels(r: dict) -> str:
                 if part == "forward" and name in calls and forward_flops(calls[name]):
                     share = forward_flops(calls[name]) / active["seconds"] / generation_chip(generation).peak_flops
                 mxu = f"{share:.0%}, "
-                outgrown = ["" if x.get("fits_overlay", True) else "†" for x in (plan, active)]
+                outgrown = [_outgrown(x) for x in (plan, active)]
                 cells.append(
                     f"{plan['seconds'] * 1e3:.2f}{outgrown[0]} / {active['seconds'] * 1e3:.2f}{outgrown[1]} "
                     f"({active['seconds'] / plan['seconds']:.2f}x; {mxu}{active['binding_unit']})"
@@ -925,48 +925,30 @@ def _active_kernels(r: dict) -> str:
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {error} |")
         lines.append("")
-    lines += _sums_on_mxu(r, rows)
-    lines += _scheduler(r, rows)
-    lines += _key_blocks(r, rows)
+    lines += [line for choice in CHOICE_TABLES for line in _choice_table(r, rows, *choice)]
     lines += [line for note in r.get("notes", ()) for line in (note, "")]
     return "\n".join(lines[:-1])
 
 
-def _sums_on_mxu(r: dict, rows: dict) -> list[str]:
-    """The active forward with its rows summed on the vector unit against in the MXU (`Plan.row_sums`),
-    where both were estimated; the generation's choice starred."""
-    return _choice_table(
-        r,
-        rows,
+# The per-generation choices bench-active-kernels estimates both ways: (the variant estimated with
+# the other value, the field of the active kernels' results, its two values, the table's title).
+CHOICE_TABLES = (
+    (
         "other sums",
         "row_sums",
         ("vector", "mxu"),
         "Row sums: the active forward's rows summed on the vector unit / in the MXU (`Plan.row_sums`), estimated "
         "ms (their ratio; the step's ratio); * the generation's choice (`block_planning.SUMS_ON_MXU`).",
-    )
-
-
-def _scheduler(r: dict, rows: dict) -> list[str]:
-    """The active kernels scheduled by the TPU compiler's default scheduler against its LP scheduler
-    (`Plan.scheduler`), where both were estimated; the generation's choice starred."""
-    return _choice_table(
-        r,
-        rows,
+    ),
+    (
         "other scheduler",
         "scheduler",
         ("default", "lp"),
         "Scheduler: the active kernels scheduled by the TPU compiler's default / LP scheduler (`Plan.scheduler`), "
         "estimated ms of the forward (their ratio; the step's ratio); * the generation's choice "
         "(`block_planning.LP_SCHEDULER`).",
-    )
-
-
-def _key_blocks(r: dict, rows: dict) -> list[str]:
-    """The active kernels at head_dim above 128 with 1024- against 2048-key blocks (`Plan.active_block_kv`),
-    where both were estimated; the generation's choice starred."""
-    return _choice_table(
-        r,
-        rows,
+    ),
+    (
         "other key blocks",
         "active_block_kv",
         (1024, 2048),
@@ -974,12 +956,14 @@ def _key_blocks(r: dict, rows: dict) -> list[str]:
         "head_dim above 128), estimated ms of the forward (their ratio; the step's ratio); * the generation's choice "
         "(`block_planning.WIDE_HEADS_BLOCK_KV`); † a kernel's code outgrows one instruction overlay "
         "(`tpu_time.KernelTime.fits_overlay`), where the chip runs slower than the estimate says.",
-    )
+    ),
+)
 
 
-def _overlay_mark(result: dict) -> str:
-    """† where a kernel's code outgrows one instruction overlay (results from before say nothing)."""
-    return "" if all(result.get(p, {}).get("fits_overlay", True) for p in ("forward", "backward")) else "†"
+def _outgrown(*parts: dict) -> str:
+    """† where a kernel of these parts (forward, backward) outgrows one instruction overlay (results
+    from before say nothing)."""
+    return "" if all(part.get("fits_overlay", True) for part in parts) else "†"
 
 
 def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, title: str) -> list[str]:
@@ -1004,7 +988,7 @@ def _choice_table(r: dict, rows: dict, variant: str, field: str, values: tuple, 
             fa, fb = a["forward"]["seconds"], b["forward"]["seconds"]
             star = ("*", "") if row["active"][field] == first else ("", "*")
             ratios = f"({fb / fa:.2f}x; {step[1] / step[0]:.2f}x)"
-            marks = [star[0] + _overlay_mark(a), star[1] + _overlay_mark(b)]
+            marks = [star[0] + _outgrown(a["forward"], a["backward"]), star[1] + _outgrown(b["forward"], b["backward"])]
             cells.append(f"{fa * 1e3:.2f}{marks[0]} / {fb * 1e3:.2f}{marks[1]} {ratios}")
         if any(cells):  # calls the choice does not apply to (Key blocks: head_dim 128) have no row
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
