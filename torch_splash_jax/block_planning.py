@@ -359,7 +359,7 @@ ACTIVE_BLOCK_Q, ACTIVE_BLOCK_KV, ACTIVE_BLOCK_KV_WIDE_HEADS, ACTIVE_CHUNK, ACTIV
 # active_block_kv`): where `./dev.sh bench-active-kernels` ("Key blocks"; libtpu 0.0.52) estimates
 # the training step shorter with them and every kernel's code fits one instruction overlay
 # (`tpu_time.KernelTime.fits_overlay`). On v5e and v5p the backward's code outgrows the overlay
-# (78.3K and 79.6K bundles; the v5e ran that step 1.50x as long, its forward 0.99x).
+# (78.3K and 79.7K bundles; the v5e ran that step 1.50x as long, its forward 0.99x).
 WIDE_HEADS_BLOCK_KV = {"v6e": 2048, "v7x": 2048}
 ACTIVE_BACKWARD_BLOCK_Q = 1024
 # With a mask read from stored blocks, a partial entry also reads its block of the mask, which TPU
@@ -467,7 +467,7 @@ def active_backward_blocks(
     and tile rows a multiple of 128 (the backward holds a tile's logits transposed, its query rows
     along the lanes); stored and most_kv as in `active_forward_blocks`. 1024 rows: 2048 is for
     lists of 1024-row blocks too long for SMEM (the v5e ran the causal 16K step at D=128 0.99x as
-    long with them, at its backward's 57.0K bundles; a 4096 window at 32K, 82.4K bundles over
-    overlays, 1.86x)."""
+    long with them, at its backward's 57.0K bundles; a 4096 window at 32K, whose backward's 82.4K
+    bundles span overlays, took 1.86x its estimate)."""
     block_q = _largest_divisor(q_len_padded, most_rows, LANES) or q_len_padded
     return active_forward_blocks(block_q, kv_len_padded, head_dim, LANES, stored, most_kv)

@@ -564,8 +564,8 @@ class _ActiveBackward(_ActiveForward):
         self.sharded = plan.q_shards > 1
         head_dim = max(plan.head_dim, plan.head_dim_v)
         stored = self.mask is None
+        lengths = plan.active_block_lengths()
         for most_rows in active_backward_rows(stored):
-            lengths = plan.active_block_lengths()
             self._plan_list(active_backward_blocks(*lengths, head_dim, most_rows, stored, plan.active_block_kv))
             if self.entries <= active_table_entries(self.stored is not None):
                 break

@@ -51,11 +51,12 @@ from .work import Work, active_backward_work, active_work, tables_work
 
 # A kernel whose code is longer than one instruction overlay reloads overlays from HBM at every
 # grid step, which its schedule does not show. On the v5e (libtpu 0.0.42.1; B=1, 16K, bf16), kernels
-# the compiler kept in one overlay ran at their estimate's pace (0.88x to 0.99x; up to 60.5K
-# bundles: a D=256 forward with 2048-key blocks), and every backward it split over overlays ran
-# 1.53x to 1.86x as long (65.5K to 92.0K bundles), as had forwards of 80.5K to 113.3K (2.1x to
-# 3.0x). The chip's libtpu compiled these kernels 4.7% shorter to 3.4% longer than the estimator's,
-# so a kernel fits with 5% of the overlay to spare (docs/tpu_time.md, "Instruction overlays").
+# the compiler kept in one overlay ran at their estimate's pace (0.88x to 1.03x; up to 60.5K
+# bundles: a D=256 forward with 2048-key blocks and 1024-row tiles), and every backward it split
+# over overlays ran 1.53x to 1.86x as long (65.5K to 92.0K bundles), as had forwards of 80.5K to
+# 113.3K (2.1x to 3.0x). The chip's libtpu compiled these kernels 4.7% shorter to 3.4% longer than
+# the estimator's, so a kernel fits with 5% of the overlay to spare (docs/tpu_time.md,
+# "Instruction overlays").
 OVERLAY_SHARE = 0.95
 
 
@@ -82,8 +83,8 @@ class KernelTime:
 
     @property
     def fits_overlay(self) -> bool:
-        """Whether the kernel's code fits one instruction overlay, with OVERLAY_SHARE of it to
-        spare: where it does not, the estimate (a schedule's pace) does not hold."""
+        """Whether the kernel's code fits within OVERLAY_SHARE of one instruction overlay: where it
+        does not, the estimate (a schedule's pace) does not hold."""
         return not self.overlay_bundles or self.program_bundles <= OVERLAY_SHARE * self.overlay_bundles
 
     @property
