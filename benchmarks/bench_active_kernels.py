@@ -5,18 +5,20 @@ step's program (forward, then backward) of the plan, and of the plan with
 `BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
 generation (`Plan.generation`); on every generation also the active kernels scheduled by the TPU
 compiler's other scheduler ("other scheduler", `Plan.scheduler`: its default or LP, of which
-`block_planning.LP_SCHEDULER` chooses), on v6e and v7x with their forward's rows summed the
-other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
-`block_planning.SUMS_ON_MXU` chooses), and at head_dim above 128 with the other longest key block
-("other key blocks", `Plan.active_block_kv`: 1024 or 2048, of which `block_planning.
-WIDE_HEADS_BLOCK_KV` chooses; a choice must keep every kernel's code in one instruction overlay,
-`tpu_time.KernelTime.fits_overlay`). Every figure is an estimate
+`block_planning.LP_SCHEDULER` chooses) and with the forward's logits laid out the other way
+("other logits", `Plan.forward_logits`: by rows or transposed, transposed with its rows summed on
+the vector unit; of which `block_planning.TRANSPOSED_LOGITS` chooses), on v6e and v7x with their
+forward's rows summed the other way ("other sums", `Plan.row_sums`: in the MXU or on the vector
+unit, of which `block_planning.SUMS_ON_MXU` chooses), and at head_dim above 128 with the other
+longest key block ("other key blocks", `Plan.active_block_kv`: 1024 or 2048, of which
+`block_planning.WIDE_HEADS_BLOCK_KV` chooses; a choice must keep every kernel's code in one
+instruction overlay, `tpu_time.KernelTime.fits_overlay`). Every figure is an estimate
 (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
 (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
 the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
 the device.
 
-    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 3 to 5 programs: about 22 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 4 to 6 programs: about 27 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
@@ -68,8 +70,9 @@ def _kernels(kernels, generation: str) -> dict:
     )
 
 
-VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks")
+VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks", "other logits")
 OTHER_BLOCK_KV = {1024: 2048, 2048: 1024}  # at head_dim above 128 (`block_planning.active_block_kv`)
+OTHER_LOGITS = {"rows": "transposed", "transposed": "rows"}  # `block_planning.active_forward_logits`
 
 
 def _variants(generation: str, call) -> tuple:
@@ -77,15 +80,13 @@ def _variants(generation: str, call) -> tuple:
 
     sums = mxu_columns_left_idle(generation, call.dv)
     wide = max(call.head_dim, call.dv) > LANES
-    return VARIANTS[:3] + ("other sums",) * sums + ("other key blocks",) * wide
+    return VARIANTS[:3] + ("other sums",) * sums + ("other key blocks",) * wide + ("other logits",)
 
 
 def _estimate(call, generation: str, variant: str) -> dict:
     """The step's forward kernel and backward kernels, estimated, of the call's plan for
-    `generation`, of that plan with the active-block kernels, of those scheduled by the compiler's
-    other scheduler ("other scheduler": `Plan.scheduler`, its default or LP), or of those with their
-    forward's rows summed the other way ("other sums": `Plan.row_sums`, in the MXU or on the vector
-    unit)."""
+    `generation`, of that plan with the active-block kernels, or of those with one choice made the
+    other way (the variants of the module's docstring)."""
     import dataclasses
 
     from torch_splash_jax import tpu_time
@@ -101,6 +102,11 @@ def _estimate(call, generation: str, variant: str) -> dict:
         plan = dataclasses.replace(plan, scheduler=OTHER_SCHEDULER[plan.scheduler])
     if variant == "other key blocks":
         plan = dataclasses.replace(plan, active_block_kv=OTHER_BLOCK_KV[plan.active_block_kv])
+    if variant == "other logits":  # transposed logits sum their rows on the vector unit
+        logits = OTHER_LOGITS[plan.forward_logits]
+        plan = dataclasses.replace(
+            plan, forward_logits=logits, row_sums="vector" if logits == "transposed" else plan.row_sums
+        )
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
@@ -109,7 +115,12 @@ def _estimate(call, generation: str, variant: str) -> dict:
     backward = [k for k in estimate.kernels if k.kind != "forward"]
     choices = {}
     if variant != "plan":
-        choices = dict(row_sums=plan.row_sums, scheduler=plan.scheduler, active_block_kv=plan.active_block_kv)
+        choices = dict(
+            row_sums=plan.row_sums,
+            forward_logits=plan.forward_logits,
+            scheduler=plan.scheduler,
+            active_block_kv=plan.active_block_kv,
+        )
     return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **choices)
 
 

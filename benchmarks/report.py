@@ -941,6 +941,14 @@ CHOICE_TABLES = (
         "ms (their ratio; the step's ratio); * the generation's choice (`block_planning.SUMS_ON_MXU`).",
     ),
     (
+        "other logits",
+        "forward_logits",
+        ("rows", "transposed"),
+        "Logits: the active forward's logits laid out by rows / transposed (`Plan.forward_logits`; transposed, its "
+        "rows summed on the vector unit), estimated ms (their ratio; the step's ratio); * the generation's choice "
+        "(`block_planning.TRANSPOSED_LOGITS`).",
+    ),
+    (
         "other scheduler",
         "scheduler",
         ("default", "lp"),

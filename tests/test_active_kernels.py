@@ -83,15 +83,23 @@ def _allowed_and_ids(mask, lq: int, lkv: int, kv_len: int, options: dict, rng):
     return allowed, (jnp.asarray(q_ids), jnp.asarray(kv_ids))
 
 
-@pytest.mark.parametrize(
-    "straight,sums_on_mxu", [(True, False), (False, False), (True, True)], ids=["straight", "branches", "mxu-sums"]
-)
+FORWARD_WAYS = {  # straight-line tiles, rows summed in the MXU, logits transposed
+    "straight": (True, False, False),
+    "branches": (False, False, False),
+    "mxu-sums": (True, True, False),
+    "transposed": (True, False, True),
+    "transposed-branches": (False, False, True),
+}
+
+
+@pytest.mark.parametrize("way", FORWARD_WAYS)
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]!r}-{c[1]}x{c[2]}-{c[3]}x{c[4]}-{c[9]}")
-def test_the_active_forward_matches_a_float64_softmax(case, straight, sums_on_mxu):
+def test_the_active_forward_matches_a_float64_softmax(case, way):
     """float32 inputs: the kernel accumulates in float32 from float32 logits, so output and logsumexp
     agree with float64 to a few float32 roundings (measured about 5e-7); 1e-5 leaves room. The
     same with the rows' sums in the MXU (`with_ones`; at any Dv here, where the planner takes it
-    at Dv 128 on v6e and v7x only)."""
+    at Dv 128 on v6e only) and with the logits laid out transposed (`Plan.forward_logits`)."""
+    straight, sums_on_mxu, transposed = FORWARD_WAYS[way]
     mask, hq, hkv, lq, lkv, kv_len, d, dv, (bq, bkv, chunk, rows), options = case
     rng = np.random.default_rng(0)
     q = rng.standard_normal((hq, lq, d)).astype(np.float32)
@@ -119,6 +127,7 @@ def test_the_active_forward_matches_a_float64_softmax(case, straight, sums_on_mx
         sinks=None if sinks is None else jnp.asarray(sinks * active_kernels.LOG2E),
         straight_patterns=straight,
         sums_on_mxu=sums_on_mxu,
+        transposed=transposed,
         interpret=True,
     )
     want_out, want_lse = _float64_attention(
@@ -326,13 +335,15 @@ def _stored_heads(kind: str, lq: int, kv_len: int, seed: int) -> tuple:
     return (sm.CausalMask(0), sm.LocalMask(64, 0), sm.ChunkedCausalMask(128), _random_dense(lq, kv_len, seed))
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("straight", [True, False], ids=["straight", "branches"])
 @pytest.mark.parametrize("case", STORED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[4]}-{sorted(c[6])}")
-def test_the_active_kernels_read_stored_masks_like_a_float64_softmax(case, straight):
+def test_the_active_kernels_read_stored_masks_like_a_float64_softmax(case, straight, transposed):
     """Masks that are data, and one mask per query head, from stored blocks (`stored_tiles`,
-    `block_index`): forward output and logsumexp, and dq, dk, dv (per-head lists in the backward,
-    their dk and dv summed over a kv head's query heads), within the structured cases' tolerances
-    of float64."""
+    `block_index`): forward output and logsumexp (its logits laid out either way, the blocks as
+    the kernel reads them), and dq, dk, dv (per-head lists in the backward, their dk and dv summed
+    over a kv head's query heads; once, with the forward's rows), within the structured cases'
+    tolerances of float64."""
     kind, hkv, lq, lkv, kv_len, (bq, bkv, chunk, rows), options = case
     hq, d = 4, 64
     heads = _stored_heads(kind, lq, kv_len, seed=3)
@@ -363,13 +374,16 @@ def test_the_active_kernels_read_stored_masks_like_a_float64_softmax(case, strai
     out, lse = active_kernels.forward(
         f32(q), f32(k * scale * active_kernels.LOG2E), f32(v), grid, block_q=bq, block_kv=bkv,
         block_kv_compute=chunk, block_q_sub=rows, sinks=None if sinks is None else f32(sinks * active_kernels.LOG2E),
-        stored_mask=(active_kernels.block_index(grid, block_ids), blocks), **common,
+        stored_mask=(active_kernels.block_index(grid, block_ids), blocks.transpose(0, 2, 1) if transposed else blocks),
+        transposed=transposed, **common,
     )  # fmt: skip
     want_out, want_lse = _float64_attention(q, k, v, allowed, scale, soft_cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5, rtol=1e-5)
     finite = np.isfinite(want_lse)
     assert (np.isfinite(np.asarray(lse)) == finite).all()
     np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
+    if transposed:
+        return
 
     lse, di, *want = _float64_gradients(q, k, v, d_out, allowed, scale, soft_cap, sinks)
     rows = 128  # the backward's tile rows are query lanes
@@ -514,12 +528,13 @@ def test_bfloat16_through_the_active_forward_is_as_close_to_float64_as_jax_s_ker
     assert errors["active"] <= errors["splash"] + 2**-8, errors
 
 
-def test_bfloat16_with_the_rows_sums_in_the_mxu_is_as_close_to_float64():
+def test_bfloat16_with_the_rows_sums_in_the_mxu_or_transposed_logits_is_as_close_to_float64():
     """`Plan.row_sums="mxu"` sums each row's probabilities in the MXU (as rounded to bfloat16, the
-    weights p @ v takes) where "vector" sums them on the vector unit in float32: on the same
-    bfloat16 inputs, both as close to float64 within a quarter of a bfloat16 rounding (2**-10),
-    the logsumexp too (measured: output 2.2e-3 of its largest against 2.5e-3, logsumexp 3.1e-3
-    against 2.8e-3)."""
+    weights p @ v takes) where "vector" sums them on the vector unit in float32, and
+    `Plan.forward_logits="transposed"` lays each tile's logits out keys by queries: on the same
+    bfloat16 inputs, each as close to float64 as the first within a quarter of a bfloat16 rounding
+    (2**-10), the logsumexp too (measured: output 2.2e-3 of its largest against 2.5e-3, logsumexp
+    3.1e-3 against 2.8e-3; transposed, the first's errors: the same float32 sums in another order)."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 1024, 128)), jnp.bfloat16) for _ in range(3))
     x64 = [np.asarray(x.astype(jnp.float32), np.float64)[0] for x in (q, k, v)]
@@ -527,18 +542,19 @@ def test_bfloat16_with_the_rows_sums_in_the_mxu_is_as_close_to_float64():
     want_out, want_lse = _float64_attention(*x64, allowed, 128**-0.5)
     errors = {}
     plan = torch_splash_jax.plan(q_len=1024, num_q_heads=4, head_dim=128, dtype="bfloat16", mask=sm.CausalMask(0))
-    assert (plan.forward_kernel, plan.row_sums) == ("active", "vector")
-    for row_sums in ("vector", "mxu"):
-        program = torch_splash_jax.program(dataclasses.replace(plan, row_sums=row_sums))
+    assert (plan.forward_kernel, plan.row_sums, plan.forward_logits) == ("active", "vector", "rows")
+    for row_sums, logits in (("vector", "rows"), ("mxu", "rows"), ("vector", "transposed")):
+        program = torch_splash_jax.program(dataclasses.replace(plan, row_sums=row_sums, forward_logits=logits))
         out, lse = program.forward(*program.arguments("forward", tables=program.tables(), q=q, k=k, v=v))
         out = np.asarray(out.astype(jnp.float32), np.float64)[0]
-        errors[row_sums] = (
+        errors[row_sums, logits] = (
             np.abs(out - want_out).max() / np.abs(want_out).max(),
             np.abs(np.asarray(lse, np.float64)[0] - want_lse).max(),
         )
-    assert errors["mxu"] != errors["vector"], "the same program ran twice"
-    assert errors["mxu"][0] <= errors["vector"][0] + 2**-10, errors
-    assert errors["mxu"][1] <= errors["vector"][1] + 2**-10, errors
+    first = errors.pop(("vector", "rows"))
+    assert errors["mxu", "rows"] != first, "the same program ran twice"
+    for way, error in errors.items():
+        assert error[0] <= first[0] + 2**-10 and error[1] <= first[1] + 2**-10, (way, error, first)
 
 
 def _holes(length: int, seed: int) -> np.ndarray:

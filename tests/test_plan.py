@@ -413,17 +413,20 @@ def test_the_active_kernels_key_blocks_are_chosen_per_generation_above_head_dim_
             assert program.active_backward.blocks["block_kv"] == most
 
 
-def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_and_scheduler_by_it():
+def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_logits_and_scheduler_by_it():
     """`Plan.generation` (the caller's, or torch_xla's device's) is one the estimator knows; the
     active forward sums its rows in the MXU on v6e where head_dim_v 128 leaves half of its 256-wide
-    MXUs idle, on the vector unit everywhere else (and where the generation is not known); the
-    active kernels ask for the compiler's LP scheduler on v7x only."""
+    MXUs idle, on the vector unit everywhere else (and where the generation is not known); it lays
+    its logits out transposed on v7x only; the active kernels ask for the compiler's LP scheduler
+    on v7x only."""
     with pytest.raises(torch_splash_jax.SplashConstraintError, match="generation='v4'"):
         torch_splash_jax.plan(q_len=256, generation="v4")
     fields = dict(q_len=1024, num_q_heads=4, head_dim=128, dtype="bfloat16", platform="tpu")
     generations = (None, "v5e", "v5p", "v6e", "v7x")
     sums = [torch_splash_jax.plan(**fields, generation=g).row_sums for g in generations]
     assert sums == ["vector", "vector", "vector", "mxu", "vector"]
+    logits = [torch_splash_jax.plan(**fields, generation=g).forward_logits for g in generations]
+    assert logits == ["rows", "rows", "rows", "rows", "transposed"]
     schedulers = [torch_splash_jax.plan(**fields, generation=g).scheduler for g in generations]
     assert schedulers == ["default", "default", "default", "default", "lp"]
     for head_dim in (64, 256):

@@ -38,6 +38,8 @@ KINDS = ["forward", "backward", "infer"]
 
 
 ACTIVE = {"forward_kernel": "active"}
+TRANSPOSED = {"forward_logits": "transposed"}  # a Plan field the case sets (tpu_compile_worker.case_plan)
+IDS_CAP_SINKS = dict(segment_ids=True, soft_cap=30.0, sinks=True)
 RING_16 = dict(q_shards=16, sequence_layout="balanced", context_parallel="ring")  # a ring over 16 devices
 SPLASH = {"forward_kernel": "splash"}  # JAX's kernels, where a case is about them
 
@@ -206,8 +208,19 @@ DEFAULT = [
         blocks=ACTIVE,
     ),
     _case("active-dense-f32-300", 2, 2, 300, 300, 64, "float32", "dense", segment_ids=True, blocks=ACTIVE),
+    # the forward with its logits transposed (Plan.forward_logits; v7x's plan takes it) on every
+    # generation: causal at head_dim 128, segment ids, sinks and soft cap at 64, a bool tensor
+    *(
+        _case(name, hq, hkv, length, length, d, dtype, mask, blocks=ACTIVE, plan=TRANSPOSED, kinds=["forward"], **more)
+        for name, hq, hkv, length, d, dtype, mask, more in (
+            ("active-transposed-causal-bf16-4k", 8, 8, 4096, 128, "bfloat16", "CausalMask(0)", {}),
+            ("active-transposed-ids-d64-f32-1000", 8, 2, 1000, 64, "float32", "LocalMask(255, 0)", IDS_CAP_SINKS),
+            ("active-transposed-dense-bf16-2k", 4, 2, 2048, 128, "bfloat16", "dense", {}),
+        )
+    ),
     # planned for the generation it compiles for (Plan.generation): on v6e its forward sums its rows
-    # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU), on v7x its kernels ask for the LP
+    # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU), on v7x it lays its logits out transposed
+    # (Plan.forward_logits, block_planning.TRANSPOSED_LOGITS) and its kernels ask for the LP
     # scheduler (Plan.scheduler, block_planning.LP_SCHEDULER); at head_dim 256 they take 2048-key
     # blocks on v6e and v7x (Plan.active_block_kv, block_planning.WIDE_HEADS_BLOCK_KV)
     _case(
@@ -389,6 +402,7 @@ def _assert_planned_for_each(results, generations, wide_generations):
         result = results[("active-planned-for-each-generation", "forward", generation)]
         assert result.get("planned_for") == generation, result
         assert result.get("row_sums") == ("mxu" if generation == "v6e" else "vector"), result
+        assert result.get("forward_logits") == ("transposed" if generation == "v7x" else "rows"), result
         assert result.get("scheduler") == ("lp" if generation == "v7x" else "default"), result
         assert result.get("active_block_kv") == 2048, result
     for generation in wide_generations:  # head_dim 256

@@ -16,6 +16,7 @@ torch_xla. Prints one JSON line per result.
                             for the 4 chips of v5e:2x2 with its sharding.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -86,12 +87,13 @@ def case_plan(case: dict, generation: str | None = None):
         return torch_splash_jax.decode.decode_plan(**fields)
     blocks = case.get("blocks")
     sharding = {name: case[name] for name in ("q_shards", "sequence_layout", "context_parallel") if name in case}
-    return torch_splash_jax.plan(
+    plan = torch_splash_jax.plan(
         **fields,
         block_sizes=None if blocks is None else torch_splash_jax.BlockSizes(**blocks),
         generation=generation,
         **sharding,
     )
+    return dataclasses.replace(plan, **case.get("plan", {}))  # a choice the case makes for itself
 
 
 def program_call(program, plan, kind: str, case: dict):
@@ -261,6 +263,7 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
                     backward_kernel=getattr(plan, "backward_kernel", None),
                     planned_for=getattr(plan, "generation", None),
                     row_sums=getattr(plan, "row_sums", None),
+                    forward_logits=getattr(plan, "forward_logits", None),
                     scheduler=getattr(plan, "scheduler", None),
                     active_block_kv=getattr(plan, "active_block_kv", None),
                 )

@@ -47,6 +47,7 @@ FRESH = 16  # the backward's: the entry is its list's first to meet its q block 
 FINAL = 32  # the backward's: the entry is its list's last to meet its q block
 NT = (((1,), (1,)), ((), ()))  # contract the last axes: q k^T
 NN = (((1,), (0,)), ((), ()))
+TN = (((0,), (0,)), ((), ()))  # contract the first axes: v^T p^T
 MAX_TILES = 16  # 2 bits each in one int32 table entry
 # A DIAGONAL tile (`tables.diagonal_tiles`) runs in strips of this many query rows and keys.
 STRIP = LANES
@@ -74,6 +75,21 @@ def _online_softmax(s, v, m, total, acc_ref, rows):
         v = with_ones(v)
     pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
     acc_ref[rows, :] = _fit_lanes(alpha, acc_ref.shape[1]) * acc_ref[rows, :] + pv
+    return m_next, total
+
+
+def _online_softmax_transposed(s, v, m, total, acc_ref, rows: slice):
+    """`_online_softmax` of logits laid out transposed, s (keys, rows), into m and total
+    ((SUBLANES, rows), every sublane alike; returned) and acc_ref[:, rows] (Dv, rows): the rows'
+    statistics reduce along sublanes (vector work, none across lanes), and p^T is the MXU's
+    stationary operand in out^T = v^T p^T, where p @ v at Dv 128 fills half of a 256-wide MXU
+    (`Plan.forward_logits`)."""
+    m_next = jnp.maximum(m, s.max(axis=0, keepdims=True))
+    alpha = jnp.exp2(m - m_next)
+    p = jnp.exp2(s - m_next[:1])
+    total = alpha * total + p.sum(axis=0, keepdims=True)
+    pv = lax.dot_general(v, p.astype(v.dtype), TN, preferred_element_type=jnp.float32)
+    acc_ref[:, rows] = alpha[:1] * acc_ref[:, rows] + pv
     return m_next, total
 
 
@@ -247,6 +263,39 @@ def block_index(grid, block_ids: np.ndarray) -> np.ndarray:
     return out
 
 
+def _allowed(refs, mask, tile_kind: int, rows: slice, cols: slice, q_start, kv_start, kv_len: int, transposed: bool):
+    """Which logits of a tile (the queries `rows` of its q block by the keys `cols` of its kv block;
+    `transposed`: keys along sublanes, queries along lanes) the mask, the real keys and the segment
+    ids allow; None where all are. refs: (mask_ref, q_ids_ref, kv_ids_ref, q_pos_ref, kv_pos_ref),
+    None where absent, each laid out like the logits; a stored mask (`mask` None) is read on
+    partial tiles only (a full block that segment ids made partial has no stored block). q_start,
+    kv_start: the blocks' first query and key."""
+    mask_ref, q_ids_ref, kv_ids_ref, q_pos_ref, kv_pos_ref = refs
+    every = slice(None)
+
+    def at(ref, queries: slice, keys: slice):
+        return ref[keys, queries] if transposed else ref[queries, keys]
+
+    def index(start, count: int, along_keys: bool):
+        shape, axis = ((count, 1), 0) if along_keys == transposed else ((1, count), 1)
+        return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    if mask is None:
+        ok = _as_bool(at(mask_ref, rows, cols)) if tile_kind == PARTIAL else None
+    else:
+        keys = index(kv_start + cols.start, cols.stop - cols.start, True)
+        if q_pos_ref is not None:
+            ok = mask.allows(at(q_pos_ref, rows, every), at(kv_pos_ref, every, cols))
+        else:
+            ok = mask.allows(index(q_start + rows.start, rows.stop - rows.start, False), keys)
+        real = keys < kv_len
+        ok = real if ok is None else ok & real
+    if q_ids_ref is not None:
+        same = at(q_ids_ref, rows, every) == at(kv_ids_ref, every, cols)
+        ok = same if ok is None else ok & same
+    return ok
+
+
 def _forward_kernel(
     q_block_ref,
     kv_block_ref,
@@ -268,6 +317,7 @@ def _forward_kernel(
     patterns: tuple[int, ...],
     any_partial: bool,
     sums_on_mxu: bool,
+    transposed: bool,
 ):
     if mask is None:  # read from stored blocks: the fifth table names each entry's
         block_index_ref, *refs = refs
@@ -278,18 +328,30 @@ def _forward_kernel(
     q_ids_ref, kv_ids_ref = (refs.pop(0), refs.pop(0)) if has_segment_ids else (None, None)
     q_pos_ref, kv_pos_ref = (refs.pop(0), refs.pop(0)) if has_positions else (None, None)
     mask_ref = refs.pop(0) if mask is None else None
+    mask_refs = (mask_ref, q_ids_ref, kv_ids_ref, q_pos_ref, kv_pos_ref)
     if sums_on_mxu:  # the row sums are acc_ref's last LANES lanes
         (out_ref, lse_ref, m_ref, acc_ref), l_ref = refs, None
     else:
         out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
 
+    def get(ref, rows: slice):  # a row statistic's rows: (rows, LANES), or (SUBLANES, rows) transposed
+        return ref[:, rows] if transposed else ref[rows, :]
+
+    def put(ref, rows: slice, value):
+        if transposed:
+            ref[:, rows] = value
+        else:
+            ref[rows, :] = value
+
     def sums(rows):
-        return None if l_ref is None else l_ref[rows, :]
+        return None if l_ref is None else get(l_ref, rows)
 
-    def keep_sums(rows, total):
+    def keep(rows, m, total):
+        put(m_ref, rows, m)
         if l_ref is not None:
-            l_ref[rows, :] = total
+            put(l_ref, rows, total)
 
+    online_softmax = _online_softmax_transposed if transposed else _online_softmax
     h, n = pl.program_id(0), pl.program_id(1)
     t = (h * width if per_head_lists else 0) + n
     flags = flags_ref[t]
@@ -304,6 +366,18 @@ def _forward_kernel(
 
     chunks = block_kv // block_kv_compute
 
+    def logits(rows: slice, cols: slice, tile_kind: int, masked: bool):
+        """The base-2 logits of the block's queries `rows` and keys `cols` (transposed: keys by rows)."""
+        q, k = q_ref[rows, :], k_ref[cols, :]
+        s = lax.dot_general(*((k, q) if transposed else (q, k)), NT, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        if masked:
+            starts = q_block_ref[t] * block_q, kv_block_ref[t] * block_kv
+            ok = _allowed(mask_refs, mask, tile_kind, rows, cols, *starts, kv_len, transposed)
+            s = jnp.where(ok, s, MASKED)
+        return s
+
     def straight(kinds: list[list[int]], masked_full: bool):
         """A block as rows of tiles of static kinds (kinds[r][c]: rows r, keys chunk c), in one
         stretch of code; a row's statistics stay values between its chunks."""
@@ -312,51 +386,21 @@ def _forward_kernel(
             if not any(row_kinds):
                 continue
             rows = slice(r * rows_per, (r + 1) * rows_per)
-            m, total = m_ref[rows, :], sums(rows)  # (rows_per, LANES), every lane alike
+            m, total = get(m_ref, rows), sums(rows)  # every lane (sublane) alike
             for c, tile_kind in enumerate(row_kinds):
                 if tile_kind == SKIP:
                     continue
                 cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
-                s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
-                if soft_cap is not None:
-                    s = soft_cap * jnp.tanh(s / soft_cap)
-                if tile_kind == PARTIAL or masked_full:
-                    s = jnp.where(allowed(r * rows_per, rows_per, cols, tile_kind), s, MASKED)
-                m, total = _online_softmax(s, v_ref[cols, :], m, total, acc_ref, rows)
-            m_ref[rows, :] = m
-            keep_sums(rows, total)
-
-    def allowed(row0: int, rows: int, cols: slice, tile_kind: int):
-        """Which logits of `rows` rows from row0 and the block's keys `cols` the mask, the real
-        keys and the segment ids allow. A stored mask is read on partial tiles only: a full block
-        that segment ids made partial has no stored block."""
-        if mask is None:
-            ok = _as_bool(mask_ref[row0 : row0 + rows, cols]) if tile_kind == PARTIAL else None
-        else:
-            keys = kv_block_ref[t] * block_kv + cols.start
-            keys = keys + lax.broadcasted_iota(jnp.int32, (1, cols.stop - cols.start), 1)
-            if has_positions:
-                ok = mask.allows(q_pos_ref[row0 : row0 + rows, :], kv_pos_ref[:, cols])
-            else:
-                ok = mask.allows(q_block_ref[t] * block_q + row0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0), keys)
-            real = keys < kv_len
-            ok = real if ok is None else ok & real
-        if has_segment_ids:
-            same = q_ids_ref[row0 : row0 + rows, :] == kv_ids_ref[:, cols]
-            ok = same if ok is None else ok & same
-        return ok
+                s = logits(rows, cols, tile_kind, tile_kind == PARTIAL or masked_full)
+                m, total = online_softmax(s, v_ref[cols, :], m, total, acc_ref, rows)
+            keep(rows, m, total)
 
     def tile(r: int, c: int, tile_kind: int):
         """One tile of a partial block: rows r of block_q_sub, keys chunk c."""
         rows = slice(r * block_q_sub, (r + 1) * block_q_sub)
         cols = slice(c * block_kv_compute, (c + 1) * block_kv_compute)
-        s = lax.dot_general(q_ref[rows, :], k_ref[cols, :], NT, preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        if tile_kind == PARTIAL or has_segment_ids:
-            s = jnp.where(allowed(r * block_q_sub, block_q_sub, cols, tile_kind), s, MASKED)
-        m_ref[rows, :], total = _online_softmax(s, v_ref[cols, :], m_ref[rows, :], sums(rows), acc_ref, rows)
-        keep_sums(rows, total)
+        s = logits(rows, cols, tile_kind, tile_kind == PARTIAL or has_segment_ids)
+        keep(rows, *online_softmax(s, v_ref[cols, :], get(m_ref, rows), sums(rows), acc_ref, rows))
 
     def sub_tiled():
         tiles = sub_kinds_ref[t]
@@ -383,18 +427,24 @@ def _forward_kernel(
             total, acc = acc[:, -LANES:], acc[:, :-LANES]
         else:
             total = l_ref[...]
+        if transposed:  # one sublane of each statistic serves; the output is transposed back
+            m, total = m[:1], total[:1]
         if has_sinks:
             sink = sinks_ref[h]
             m_all = jnp.maximum(m, sink)
             rescale = jnp.exp2(m - m_all)
             total = rescale * total + jnp.exp2(sink - m_all)
-            acc = rescale[:, :1] * acc
+            acc = (rescale if transposed else rescale[:, :1]) * acc
             m = m_all
         seen = m > MASKED / 2  # the row met an allowed key
         lse = jnp.where(seen, (m + jnp.log2(total)) * LN2, -jnp.inf)
-        out = jnp.where(seen[:, :1], acc / total[:, :1], 0.0)
+        if transposed:
+            out = jnp.where(seen, acc / total, 0.0).T
+        else:
+            out = jnp.where(seen[:, :1], acc / total[:, :1], 0.0)
+            lse = lse.T[:1]
         out_ref[...] = out.astype(out_ref.dtype)
-        lse_ref[...] = lse.T[:1]
+        lse_ref[...] = lse
 
 
 # The TPU compiler's instruction schedulers a kernel may ask for: its default, or the LP scheduler
@@ -455,6 +505,7 @@ def forward(
     vmem_limit: int | None = None,
     straight_patterns: bool | tuple[int, ...] = True,
     sums_on_mxu: bool = False,
+    transposed: bool = False,
     scheduler: str = "default",
     interpret: bool = False,
 ):
@@ -466,17 +517,21 @@ def forward(
     the rows' and keys' own indices or, given positions (q_positions (Lq,), kv_positions (Lkv,))
     int32, at those (a device's shard of a sequence: `tables.device_block_kinds` gives its kinds);
     soft_cap in base 2 (the natural cap times LOG2E). stored_mask: (block_index (G, N) of
-    `block_index`, blocks (M, block_q, block_kv) bool) for a mask read from stored blocks instead
-    (`mask` None; the grid's tile kinds from `stored_tiles`). straight_patterns: partial blocks run their
-    tile patterns as straight-line code where `tile_patterns` allows (False: a branch a tile, always;
-    a tuple: those patterns, found on the host where the grid is a program input).
-    sums_on_mxu: the rows' sums of probabilities computed by the MXU (`with_ones`).
+    `block_index`, blocks (M, block_q, block_kv) bool, or (M, block_kv, block_q) `transposed`) for a
+    mask read from stored blocks instead (`mask` None; the grid's tile kinds from `stored_tiles`).
+    straight_patterns: partial blocks run their tile patterns as straight-line code where
+    `tile_patterns` allows (False: a branch a tile, always; a tuple: those patterns, found on the host
+    where the grid is a program input). sums_on_mxu: the rows' sums of probabilities computed by the
+    MXU (`with_ones`). transposed: each tile's logits laid out keys by queries
+    (`_online_softmax_transposed`; its rows summed on the vector unit).
     scheduler: the TPU compiler's instruction scheduler for the kernel (`compiler_params`).
     Returns out (Hq, Lq, Dv) in q's dtype and the
     logsumexp (Hq, Lq) float32, natural log, -inf on rows with no allowed key (their output 0)."""
     num_heads, q_len, head_dim = q.shape
     kv_heads, _, head_dim_v = v.shape
     group = num_heads // kv_heads
+    if transposed and sums_on_mxu:
+        raise ValueError("transposed logits sum their rows on the vector unit: sums_on_mxu must be False")
     if stored_mask is not None:  # a stored block is read tile by tile: one tile at least
         block_q_sub = block_q_sub or block_q
     tiles = (block_q // block_q_sub) * (block_kv // block_kv_compute) if block_q_sub else 0
@@ -522,22 +577,29 @@ def forward(
     inputs += [q, k, v]
 
     def q_rows_map(h, n, qb, kb, *_):
-        return qb[entry(h, n)], 0
+        return (0, qb[entry(h, n)]) if transposed else (qb[entry(h, n)], 0)
 
     def kv_columns_map(h, n, qb, kb, *_):
-        return 0, kb[entry(h, n)]
+        return (kb[entry(h, n)], 0) if transposed else (0, kb[entry(h, n)])
 
-    # segment ids, then positions: a value per row (rows along sublanes) and per key (along lanes)
+    # segment ids, then positions: a value per row and per key, laid out as the logits (rows along
+    # sublanes, keys along lanes; transposed, the other way)
+    q_shape, kv_shape = ((1, block_q), (block_kv, 1)) if transposed else ((block_q, 1), (1, block_kv))
     for pair in (segment_ids, positions):
         if pair is not None:
-            in_specs += [pl.BlockSpec((block_q, 1), q_rows_map), pl.BlockSpec((1, block_kv), kv_columns_map)]
-            inputs += [pair[0].reshape(-1, 1).astype(jnp.int32), pair[1].reshape(1, -1).astype(jnp.int32)]
+            in_specs += [pl.BlockSpec(q_shape, q_rows_map), pl.BlockSpec(kv_shape, kv_columns_map)]
+            across, along = (1, -1), (-1, 1)
+            q_ids, kv_ids = (
+                pair[0].reshape(across if transposed else along),
+                pair[1].reshape(along if transposed else across),
+            )
+            inputs += [q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)]
     if stored_mask is not None:
 
         def mask_map(h, n, qb, kb, fl, sk, index):
             return index[entry(h, n)], 0, 0
 
-        in_specs.append(pl.BlockSpec((None, block_q, block_kv), mask_map))
+        in_specs.append(pl.BlockSpec((None, *((block_kv, block_q) if transposed else (block_q, block_kv))), mask_map))
         inputs.append(jnp.asarray(stored_mask[1]))
     body = functools.partial(
         _forward_kernel,
@@ -556,15 +618,17 @@ def forward(
         patterns=patterns,
         any_partial=may_run_partial(grid, segment_ids is not None),
         sums_on_mxu=sums_on_mxu,
+        transposed=transposed,
     )
+    # the rows' maxima and sums (none with sums_on_mxu), and the output (its sums' lanes too)
+    stats = (SUBLANES, block_q) if transposed else (block_q, LANES)
+    acc = (head_dim_v, block_q) if transposed else (block_q, head_dim_v + LANES * sums_on_mxu)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(tables),
         grid=(num_heads, width),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, block_q, head_dim_v), q_map), pl.BlockSpec((None, 1, block_q), lse_map)],
-        scratch_shapes=[pltpu.VMEM((block_q, LANES), jnp.float32)]  # the rows' maxima
-        + ([] if sums_on_mxu else [pltpu.VMEM((block_q, LANES), jnp.float32)])  # and sums
-        + [pltpu.VMEM((block_q, head_dim_v + LANES * sums_on_mxu), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM(stats, jnp.float32)] * (1 if sums_on_mxu else 2) + [pltpu.VMEM(acc, jnp.float32)],
     )
     call = pl.pallas_call(
         body,
@@ -749,27 +813,12 @@ def _backward_kernel(
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
 
+    mask_refs = (mask_ref, q_ids_ref, kv_ids_ref, q_pos_ref, kv_pos_ref)
+
     def allowed(rows: slice, cols: slice, tile_kind: int):
-        """Which logits, the block's keys `cols` (rows) by its queries `rows` (lanes), are allowed
-        (a stored mask read on partial tiles only, as in the forward)."""
-        if mask is None:
-            ok = _as_bool(mask_ref[cols, rows]) if tile_kind == PARTIAL else None
-        else:
-            width = rows.stop - rows.start
-            keys = kv_block_ref[e] * block_kv + cols.start
-            keys = keys + lax.broadcasted_iota(jnp.int32, (cols.stop - cols.start, 1), 0)
-            if has_positions:
-                ok = mask.allows(q_pos_ref[:, rows], kv_pos_ref[cols, :])
-            else:
-                ok = mask.allows(
-                    q_block_ref[e] * block_q + rows.start + lax.broadcasted_iota(jnp.int32, (1, width), 1), keys
-                )
-            real = keys < kv_len
-            ok = real if ok is None else ok & real
-        if has_segment_ids:
-            same = q_ids_ref[:, rows] == kv_ids_ref[cols, :]
-            ok = same if ok is None else ok & same
-        return ok
+        """Which logits, the block's keys `cols` (rows) by its queries `rows` (lanes), are allowed."""
+        starts = q_block_ref[e] * block_q, kv_block_ref[e] * block_kv
+        return _allowed(mask_refs, mask, tile_kind, rows, cols, *starts, kv_len, transposed=True)
 
     def tile(r: int, c: int, tile_kind: int, masked: bool, dk, dv):
         """Tile (query rows r, keys chunk c): its dq share added into the slot, dk and dv's returned

@@ -392,6 +392,22 @@ def active_row_sums(generation: str | None, head_dim_v: int) -> str:
     return "mxu" if generation in SUMS_ON_MXU and mxu_columns_left_idle(generation, head_dim_v) else "vector"
 
 
+# The generations whose active forward lays out each tile's logits transposed, keys by queries
+# (`Plan.forward_logits`, `active_kernels._online_softmax_transposed`): the rows' statistics then
+# reduce along sublanes, and p^T, the MXU's stationary operand in out^T = v^T p^T, fills the 256-wide
+# MXUs that p @ v fills half of at head_dim_v 128. Where `./dev.sh bench-active-kernels` ("Logits";
+# libtpu 0.0.52) estimates the forward shorter with it: on v7x 0.69x to 0.97x as long over its
+# training calls; on v6e, whose rows' sums ride in the MXU's idle columns (SUMS_ON_MXU), and on v5e
+# and v5p, whose 128-wide MXUs p @ v fills, it is longer.
+TRANSPOSED_LOGITS = frozenset({"v7x"})
+
+
+def active_forward_logits(generation: str | None) -> str:
+    """How the active forward for `generation` (None: not known) lays out a tile's logits:
+    "transposed" on the generations of TRANSPOSED_LOGITS, else "rows"."""
+    return "transposed" if generation in TRANSPOSED_LOGITS else "rows"
+
+
 # The generations whose active kernels the TPU compiler schedules with its LP scheduler (`Plan.
 # scheduler`, `active_kernels.SCHEDULER_FLAGS`): where its schedules of the training step's kernels
 # are shorter over the calls of `./dev.sh bench-active-kernels` ("Scheduler"; libtpu 0.0.52).

@@ -21,6 +21,7 @@ from .block_planning import (
     active_backward_rows,
     active_block_kv,
     active_forward_blocks,
+    active_forward_logits,
     active_row_sums,
     active_scheduler,
     plan_blocks,
@@ -70,12 +71,16 @@ class Plan:
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
     # The TPU generation the program is built for, where the caller knows it (kernel_limits.GENERATIONS):
-    # per-generation choices are made from it (`row_sums`, `scheduler`, `active_block_kv`). None: the choices
-    # that serve every generation.
+    # per-generation choices are made from it (`row_sums`, `forward_logits`, `scheduler`, `active_block_kv`).
+    # None: the choices that serve every generation.
     generation: str | None = None
     # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
     # "mxu" (`active_kernels.with_ones`); `plan` chooses per generation (block_planning.active_row_sums).
     row_sums: str = "vector"
+    # How the active forward lays out a tile's logits: "rows" (queries by keys) or "transposed" (keys by
+    # queries, its rows summed on the vector unit); `plan` chooses per generation (block_planning.
+    # active_forward_logits).
+    forward_logits: str = "rows"
     # The TPU compiler's scheduler for the active kernels: "default" or "lp" (`active_kernels.
     # compiler_params`); `plan` chooses per generation (block_planning.active_scheduler).
     scheduler: str = "default"
@@ -275,6 +280,7 @@ def plan(
         context_parallel=context_parallel,
         generation=generation,
         row_sums=active_row_sums(generation, head_dim_v),
+        forward_logits=active_forward_logits(generation),
         scheduler=active_scheduler(generation),
         active_block_kv=active_block_kv(generation, max(head_dim, head_dim_v)),
     )

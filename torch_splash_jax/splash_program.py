@@ -486,7 +486,8 @@ class _ActiveForward:
         padded[2][:, self.grid[0].shape[1] :] = 0  # flags
         count = _tables.bucket(max(len(blocks), _tables.MIN_PARTIAL_BLOCKS))
         blocks = np.pad(blocks, ((0, count - len(blocks)), (0, 0), (0, 0)))
-        self.stored = [*padded, blocks.transpose(0, 2, 1) if self.backward else blocks]
+        transposed = self.backward or self.plan.forward_logits == "transposed"  # as the kernel reads them
+        self.stored = [*padded, blocks.transpose(0, 2, 1) if transposed else blocks]
         self.inputs = self.stored
 
     @property
@@ -539,6 +540,7 @@ class _ActiveForward:
             segment_ids=None if segment_ids is None else (segment_ids.q, segment_ids.kv),
             sinks=None if sinks is None else sinks.astype(jnp.float32) * active_kernels.LOG2E,
             sums_on_mxu=p.row_sums == "mxu",
+            transposed=p.forward_logits == "transposed",
             scheduler=p.scheduler,
             interpret=p.platform != "tpu",
         )
