@@ -72,7 +72,6 @@ def _kernels(kernels, generation: str) -> dict:
 
 VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks", "other logits")
 OTHER_BLOCK_KV = {1024: 2048, 2048: 1024}  # at head_dim above 128 (`block_planning.active_block_kv`)
-OTHER_LOGITS = {"rows": "transposed", "transposed": "rows"}  # `block_planning.active_forward_logits`
 
 
 def _variants(generation: str, call) -> tuple:
@@ -90,8 +89,8 @@ def _estimate(call, generation: str, variant: str) -> dict:
     import dataclasses
 
     from torch_splash_jax import tpu_time
-    from torch_splash_jax.block_planning import OTHER_SCHEDULER
-    from torch_splash_jax.plan import with_kernels
+    from torch_splash_jax.block_planning import OTHER_LOGITS, OTHER_SCHEDULER
+    from torch_splash_jax.plan import with_forward_logits, with_kernels
 
     plan = dataclasses.replace(call, generation=generation).plan("tpu")
     if variant != "plan":
@@ -102,11 +101,8 @@ def _estimate(call, generation: str, variant: str) -> dict:
         plan = dataclasses.replace(plan, scheduler=OTHER_SCHEDULER[plan.scheduler])
     if variant == "other key blocks":
         plan = dataclasses.replace(plan, active_block_kv=OTHER_BLOCK_KV[plan.active_block_kv])
-    if variant == "other logits":  # transposed logits sum their rows on the vector unit
-        logits = OTHER_LOGITS[plan.forward_logits]
-        plan = dataclasses.replace(
-            plan, forward_logits=logits, row_sums="vector" if logits == "transposed" else plan.row_sums
-        )
+    if variant == "other logits":
+        plan = with_forward_logits(plan, OTHER_LOGITS[plan.forward_logits])
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)

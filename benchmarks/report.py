@@ -757,13 +757,15 @@ def _tpu_check(r: dict) -> str:
         '"active forward" is the same forward with JAX\'s backward '
         '(`backward_kernel="splash"`); blank where they do not serve the call. "Other scheduler": the active '
         "kernels with the TPU compiler's other scheduler than the generation's (`Plan.scheduler`: its default or "
-        "LP, `block_planning.LP_SCHEDULER`), and their time over the generation's choice.",
+        'LP, `block_planning.LP_SCHEDULER`), and their time over the generation\'s choice; "other logits": '
+        "with their forward's logits laid out the other way (`Plan.forward_logits`: by rows or transposed, "
+        "`block_planning.TRANSPOSED_LOGITS`), likewise.",
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
         "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error "
         "| active forward | active kernels | active / plan (forward / step) | MXU (active forward) "
-        "| other scheduler (its / the generation's) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| other scheduler (its / the generation's) | other logits (its / the generation's) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     estimates = _chip_estimates(r)
 
@@ -796,13 +798,17 @@ def _tpu_check(r: dict) -> str:
                 f"{both[k] / plan[k]:.2f}x" for k in ("forward_ms", "step_ms") if k in both and k in plan
             )
             active_mxu = f"{flops / (both['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
-        other = v.get("plan, active kernels, other scheduler", {})
-        versus = " / ".join(f"{other[k] / both[k]:.2f}x" for k in ("forward_ms", "step_ms") if k in other and k in both)
+        others = []
+        for name in ("plan, active kernels, other scheduler", "plan, active kernels, other logits"):
+            other = v.get(name, {})
+            keys = [k for k in ("forward_ms", "step_ms") if k in other and k in both]
+            versus = " / ".join(f"{other[k] / both[k]:.2f}x" for k in keys)
+            others.append(f"{pair(other)}{f' ({versus})' if versus else ''}")
         lines.append(
             f"| {row['name']} | {pair(plan)} | {layout} | {pair(maxtext)} | {ratio} | "
             f"{pair(v.get(PLAN_BLOCKS, {}))} | {pair(v.get('XLA dense', {}))} | {mxu} | "
             f"{shown} | {errors} | {pair(active)} | {pair(both)} | {faster} | {active_mxu} | "
-            f"{pair(other)}{f' ({versus})' if versus else ''} |"
+            f"{' | '.join(others)} |"
         )
     lines += [
         "",

@@ -408,6 +408,9 @@ def active_forward_logits(generation: str | None) -> str:
     return "transposed" if generation in TRANSPOSED_LOGITS else "rows"
 
 
+OTHER_LOGITS = {"rows": "transposed", "transposed": "rows"}  # what the benchmarks set against each choice
+
+
 # The generations whose active kernels the TPU compiler schedules with its LP scheduler (`Plan.
 # scheduler`, `active_kernels.SCHEDULER_FLAGS`): where its schedules of the training step's kernels
 # are shorter over the calls of `./dev.sh bench-active-kernels` ("Scheduler"; libtpu 0.0.52).

@@ -359,6 +359,13 @@ def _active_blocks(plan: Plan, backward: bool, stored: bool) -> dict:
     return active_forward_blocks(q_len, kv_len, head_dim, stored=stored, most_kv=plan.active_block_kv)
 
 
+def with_forward_logits(plan: Plan, logits: str) -> Plan:
+    """The same plan with its active forward's logits laid out `logits` ("rows" or "transposed",
+    `Plan.forward_logits`); transposed, its rows summed on the vector unit."""
+    row_sums = "vector" if logits == "transposed" else plan.row_sums
+    return dataclasses.replace(plan, forward_logits=logits, row_sums=row_sums)
+
+
 def with_kernels(plan: Plan, forward: str, backward: str | None = None) -> Plan:
     """The same plan with other kernels ("splash" or "active"; the backward's follows the
     forward's unless given), checked as `plan` checks them."""

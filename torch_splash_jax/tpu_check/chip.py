@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import compat
-from ..block_planning import OTHER_SCHEDULER
+from ..block_planning import OTHER_LOGITS, OTHER_SCHEDULER
 from ..errors import SplashConstraintError
 from ..kernel_limits import DEVICE_KINDS
-from ..plan import Plan, with_kernels
+from ..plan import Plan, with_forward_logits, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
 from . import baselines, ring
@@ -165,12 +165,18 @@ def fidelity(calls: list[Call], platform: str, compiler: _Compiler) -> None:
 
 def _programs(call: Call, plan) -> list:
     """(row name, kernel, program) of a fidelity case: its plan's, and for a splash call the
-    active-block forward's (`active_kernels`) where it serves the call."""
+    active-block kernels' where they serve the call, their forward's logits laid out both ways."""
     programs = [(call.name, call.kernel, cached_program(plan))]
     active = _active(plan) if call.kernel != "decode" else None
     if active is not None:
         programs.append((f"{call.name}, active kernels", "active", cached_program(active)))
+        programs.append((f"{call.name}, active kernels, other logits", "active", cached_program(other_logits(active))))
     return programs
+
+
+def other_logits(plan):
+    """The plan with its active forward's logits laid out the other way (`Plan.forward_logits`)."""
+    return with_forward_logits(plan, OTHER_LOGITS[plan.forward_logits])
 
 
 def _active(plan, backward: str = "active"):
@@ -185,6 +191,7 @@ def _active(plan, backward: str = "active"):
 
 
 OTHER_SCHEDULER_VARIANT = "plan, active kernels, other scheduler"
+OTHER_LOGITS_VARIANT = "plan, active kernels, other logits"
 
 
 def _variants(call: Call, platform: str) -> dict:
@@ -216,6 +223,7 @@ def _variants(call: Call, platform: str) -> dict:
         if active is not None and not interpret:  # the chip's verdict on the generation's scheduler
             other = OTHER_SCHEDULER[active.scheduler]  # (block_planning.LP_SCHEDULER; interpret mode has none)
             kernels.append((OTHER_SCHEDULER_VARIANT, dataclasses.replace(active, scheduler=other)))
+            kernels.append((OTHER_LOGITS_VARIANT, other_logits(active)))  # (block_planning.TRANSPOSED_LOGITS)
         for name, fast_plan in kernels:
             if fast_plan is not None:
                 fast = cached_program(fast_plan)
