@@ -396,9 +396,10 @@ def active_row_sums(generation: str | None, head_dim_v: int) -> str:
 # (`Plan.forward_logits`, `active_kernels._online_softmax_transposed`): the rows' statistics then
 # reduce along sublanes, and p^T, the MXU's stationary operand in out^T = v^T p^T, fills the 256-wide
 # MXUs that p @ v fills half of at head_dim_v 128. Where `./dev.sh bench-active-kernels` ("Logits";
-# libtpu 0.0.52) estimates the forward shorter with it: on v7x 0.69x to 0.97x as long over its
-# training calls; on v6e, whose rows' sums ride in the MXU's idle columns (SUMS_ON_MXU), and on v5e
-# and v5p, whose 128-wide MXUs p @ v fills, it is longer.
+# libtpu 0.0.52) estimates the forward shorter with it over the training calls: on v7x 0.69x to
+# 0.97x as long. On v6e, whose rows' sums ride in the MXU's idle columns (SUMS_ON_MXU), 0.97x to
+# 1.08x (0.80x for packed documents); on v5e and v5p, whose 128-wide MXUs p @ v fills, 0.96x to
+# 1.09x, and the v5e measured 1.04x to 1.16x (docs/tpu.md).
 TRANSPOSED_LOGITS = frozenset({"v7x"})
 
 
