@@ -588,18 +588,17 @@ def forward(
     for pair in (segment_ids, positions):
         if pair is not None:
             in_specs += [pl.BlockSpec(q_shape, q_rows_map), pl.BlockSpec(kv_shape, kv_columns_map)]
-            across, along = (1, -1), (-1, 1)
-            q_ids, kv_ids = (
-                pair[0].reshape(across if transposed else along),
-                pair[1].reshape(along if transposed else across),
-            )
+            q_ids, kv_ids = pair[0].reshape(-1, 1), pair[1].reshape(1, -1)
+            if transposed:
+                q_ids, kv_ids = q_ids.T, kv_ids.T
             inputs += [q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)]
     if stored_mask is not None:
 
         def mask_map(h, n, qb, kb, fl, sk, index):
             return index[entry(h, n)], 0, 0
 
-        in_specs.append(pl.BlockSpec((None, *((block_kv, block_q) if transposed else (block_q, block_kv))), mask_map))
+        block = (block_kv, block_q) if transposed else (block_q, block_kv)
+        in_specs.append(pl.BlockSpec((None, *block), mask_map))
         inputs.append(jnp.asarray(stored_mask[1]))
     body = functools.partial(
         _forward_kernel,
