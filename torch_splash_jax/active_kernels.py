@@ -6,7 +6,9 @@ of the (q block, kv block) pairs its mask touches, row after row, made on the ho
 block kinds (`active_grid`): no idle steps, and blocks wholly inside the mask run a path with no
 mask work at all. Logits are kept in base 2: the caller folds log2(e) into the keys' scale (soft
 cap and sinks scaled to match, `LOG2E`), so each score costs one `exp2` where `exp` would cost a
-multiply and an exponent; the logsumexp handed back is in natural log.
+multiply and an exponent; the logsumexp handed back is in natural log. The forward holds a tile's
+logits queries by keys or, per generation, transposed (`_online_softmax_transposed`); the backward
+always transposed.
 
 Tables (int32, scalar-prefetched into SMEM): per entry of a head's list, its q block, its kv block,
 flags (`KIND` bits: skip, partial, full; `FIRST` and `LAST` of its row) and its tiles' kinds (2 bits
@@ -34,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import compat
 from .decode_kernel import MASKED  # exp2(MASKED - m) is 0 for any real maximum m, MASKED - MASKED is 0
-from .kernel_limits import LANES, SUBLANES  # row statistics are kept lane-dense, (rows, LANES)
+from .kernel_limits import LANES, SUBLANES  # row statistics: (rows, LANES), or (SUBLANES, rows) transposed
 from .tables import DIAGONAL
 
 LOG2E = math.log2(math.e)
