@@ -1,5 +1,6 @@
 """The planner: for any lengths and any valid caller blocks, every kernel constraint holds."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -411,6 +412,39 @@ def test_the_active_kernels_key_blocks_are_chosen_per_generation_above_head_dim_
             program = Program(plan)
             assert program.active.blocks["block_kv"] == most
             assert program.active_backward.blocks["block_kv"] == most
+
+
+def test_the_active_forward_s_q_blocks_are_chosen_per_generation():
+    """4096-row q blocks for the forward on v6e, where the estimate has it shorter by more than its
+    miss on the v5e and its code in one instruction overlay, their partial blocks in 1024-row tiles
+    (16 tiles of 512 keys) as straight-line code, else 2048; 2048 elsewhere and where the generation
+    is not known (4096 outgrew the v5e's overlay and ran 2.1x to 3.0x as long; v7x's gains are
+    within the miss). The backward's stay 1024 rows, a mask read from stored blocks keeps
+    blocks of at most 1024, and the programs' blocks follow the plan."""
+    from torch_splash_jax.splash_program import Program
+
+    generations = (None, "v5e", "v5p", "v6e", "v7x")
+    fields = dict(q_len=16384, num_q_heads=2, head_dim=128, dtype="bfloat16", platform="tpu")
+    expected = [2048, 2048, 2048, 4096, 2048]
+    plans = [torch_splash_jax.plan(**fields, mask=torch_splash_jax.CausalMask(), generation=g) for g in generations]
+    assert [p.active_block_q for p in plans] == expected
+    for plan, most in zip(plans, expected):
+        program = Program(plan)
+        assert program.active.blocks["block_q"] == most
+        assert program.active.blocks["block_q_sub"] == most // 4
+        assert program.active_backward.blocks["block_q"] == 1024
+    # where the longer blocks would run a branch a tile (too many tile patterns for straight-line
+    # code, which outgrew an instruction overlay), the forward falls back to 2048: causal at 6144
+    # (3072-row blocks across 2048-key ones), a 4096 window at 32K
+    short = torch_splash_jax.plan(**dict(fields, q_len=6144), mask=torch_splash_jax.CausalMask(), generation="v6e")
+    assert Program(short).active.blocks["block_q"] == 2048
+    window = torch_splash_jax.plan(
+        **dict(fields, q_len=32768), mask=torch_splash_jax.LocalMask(4095, 0), generation="v6e"
+    )
+    assert window.active_block_q == 4096 and Program(window).active.blocks["block_q"] == 2048
+    tri = torch_splash_jax.DenseMask(np.tri(4096, dtype=bool))
+    stored = torch_splash_jax.plan(**dict(fields, q_len=4096), mask=tri, generation="v6e")
+    assert stored.active_block_q == 4096 and Program(stored).active.blocks["block_q"] == 1024
 
 
 def test_a_plan_is_for_a_known_generation_or_none_and_chooses_its_row_sums_logits_and_scheduler_by_it():

@@ -221,8 +221,9 @@ DEFAULT = [
     # planned for the generation it compiles for (Plan.generation): on v6e its forward sums its rows
     # in the MXU (Plan.row_sums, block_planning.SUMS_ON_MXU), on v7x it lays its logits out transposed
     # (Plan.forward_logits, block_planning.TRANSPOSED_LOGITS) and its kernels ask for the LP
-    # scheduler (Plan.scheduler, block_planning.LP_SCHEDULER); at head_dim 256 they take 2048-key
-    # blocks on v6e and v7x (Plan.active_block_kv, block_planning.WIDE_HEADS_BLOCK_KV)
+    # scheduler (Plan.scheduler, block_planning.LP_SCHEDULER); on v6e the forward takes one 4096-row
+    # q block (Plan.active_block_q, block_planning.LONG_BLOCK_Q), and at head_dim 256 the
+    # kernels 2048-key blocks (Plan.active_block_kv, block_planning.WIDE_HEADS_BLOCK_KV)
     _case(
         "active-planned-for-each-generation", 8, 8, 4096, 4096, 128, "bfloat16", "CausalMask(0)", planned_for_each=True
     ),
@@ -405,6 +406,7 @@ def _assert_planned_for_each(results, generations, wide_generations):
         assert result.get("forward_logits") == ("transposed" if generation == "v7x" else "rows"), result
         assert result.get("scheduler") == ("lp" if generation == "v7x" else "default"), result
         assert result.get("active_block_kv") == 2048, result
+        assert result.get("active_block_q") == (4096 if generation == "v6e" else 2048), result
     for generation in wide_generations:  # head_dim 256
         wide = results[("active-planned-for-each-generation-d256", "backward", generation)]
         assert wide.get("planned_for") == generation and wide.get("row_sums") == "vector", wide

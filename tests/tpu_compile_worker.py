@@ -266,6 +266,7 @@ def _compile_plan(case: dict, generations: list[str], torchtpu: bool, planned_fo
                     forward_logits=getattr(plan, "forward_logits", None),
                     scheduler=getattr(plan, "scheduler", None),
                     active_block_kv=getattr(plan, "active_block_kv", None),
+                    active_block_q=getattr(plan, "active_block_q", None),
                 )
             except Exception as exc:
                 _emit(case=case["name"], kind=kind, generation=generation, error=_error(exc))

@@ -432,6 +432,22 @@ def _largest_divisor(length: int, limit: int, multiple: int) -> int | None:
     return None
 
 
+# The generations whose active forward takes q blocks of up to 4096 rows (`Plan.active_block_q`;
+# their partial blocks then take 1024-row tiles, as straight-line code or not at all:
+# `splash_program`): where `./dev.sh bench-active-kernels` ("Query blocks"; libtpu 0.0.52)
+# estimates the forward shorter with them by more than the estimate's miss on the v5e's full mask
+# (0.97x estimated, 0.99x measured), on every call: on v6e 0.93x to 0.97x. Not v7x (0.96x to
+# 0.99x), nor v5e and v5p, whose partial blocks' code outgrows an instruction overlay (above).
+LONG_BLOCK_Q = {"v6e": 4096}
+OTHER_BLOCK_Q = {2048: 4096, 4096: 2048}  # what the benchmarks set against each choice
+
+
+def active_block_q(generation: str | None) -> int:
+    """The active forward's longest q block for `generation` (None: not known): the generation's
+    LONG_BLOCK_Q, else ACTIVE_BLOCK_Q."""
+    return LONG_BLOCK_Q.get(generation, ACTIVE_BLOCK_Q)
+
+
 def active_block_kv(generation: str | None, head_dim: int) -> int:
     """The active kernels' longest key block for `generation` (None: not known) at `head_dim` (the
     larger of q's and v's): ACTIVE_BLOCK_KV, and above 128 the generation's WIDE_HEADS_BLOCK_KV or
@@ -448,17 +464,18 @@ def active_forward_blocks(
     row_multiple: int = SUBLANES,
     stored: bool = False,
     most_kv: int | None = None,
+    most_q: int | None = None,
 ) -> dict:
     """The active-block forward's blocks for padded lengths (q a multiple of 8, kv of 128): block_q,
     block_kv, block_kv_compute and block_q_sub (the rows of a partial block's tiles, a multiple of
     row_multiple or the whole block; None where the block is too short to split), each dividing the
     one above it, at most 16 tiles a block. stored: for a mask read from stored blocks (at most
-    ACTIVE_STORED_BLOCK a side). most_kv: the longest key block (`Plan.active_block_kv`; None:
-    `active_block_kv` for an unknown generation)."""
-    most = ACTIVE_STORED_BLOCK if stored else ACTIVE_BLOCK_Q
-    block_q = _largest_divisor(q_len_padded, most, LANES) or q_len_padded
-    wide = min(most_kv or active_block_kv(None, head_dim), most)
-    block_kv = _largest_divisor(kv_len_padded, wide, LANES)
+    ACTIVE_STORED_BLOCK a side). most_kv and most_q: the longest key and q blocks (`Plan.
+    active_block_kv`, `Plan.active_block_q`; None: those of an unknown generation)."""
+    most_q = ACTIVE_STORED_BLOCK if stored else most_q or ACTIVE_BLOCK_Q
+    most_kv = min(most_kv or active_block_kv(None, head_dim), ACTIVE_STORED_BLOCK if stored else ACTIVE_BLOCK_KV)
+    block_q = _largest_divisor(q_len_padded, most_q, LANES) or q_len_padded
+    block_kv = _largest_divisor(kv_len_padded, most_kv, LANES)
     chunk = _largest_divisor(block_kv, ACTIVE_CHUNK, LANES)
     chunks = block_kv // chunk
     least = max(min(ACTIVE_TILE_ROWS, block_q), -(-block_q * chunks // 16))

@@ -20,6 +20,7 @@ from .block_planning import (
     active_backward_blocks,
     active_backward_rows,
     active_block_kv,
+    active_block_q,
     active_forward_blocks,
     active_forward_logits,
     active_row_sums,
@@ -71,7 +72,8 @@ class Plan:
     forward_kernel: str = "splash"
     backward_kernel: str = "splash"
     # The TPU generation the program is built for, where the caller knows it (kernel_limits.GENERATIONS):
-    # per-generation choices are made from it (`row_sums`, `forward_logits`, `scheduler`, `active_block_kv`).
+    # per-generation choices are made from it (`row_sums`, `forward_logits`, `scheduler`, `active_block_kv`,
+    # `active_block_q`).
     # None: the choices that serve every generation.
     generation: str | None = None
     # Where the active forward sums each row's probabilities: "vector" (the vector unit, float32) or
@@ -87,6 +89,9 @@ class Plan:
     # The active kernels' longest key block; `plan` chooses per generation and head_dim (block_planning.
     # active_block_kv). None: the choice for an unknown generation.
     active_block_kv: int | None = None
+    # The active forward's longest q block; `plan` chooses per generation (block_planning.active_block_q).
+    # None: the choice for an unknown generation.
+    active_block_q: int | None = None
 
     @property
     def ring(self) -> bool:
@@ -283,6 +288,7 @@ def plan(
         forward_logits=active_forward_logits(generation),
         scheduler=active_scheduler(generation),
         active_block_kv=active_block_kv(generation, max(head_dim, head_dim_v)),
+        active_block_q=active_block_q(generation),
     )
     unserved = _unserved_sharding(mask, q_shards, head_shards, context_parallel) is not None
     forward_kernel, backward_kernel = _kernels(block_sizes, unserved, planned, table_heads)
@@ -350,8 +356,9 @@ def _structured_lists_fit(plan: Plan, backward: bool) -> bool:
 
 
 def _active_blocks(plan: Plan, backward: bool, stored: bool) -> dict:
-    """The active kernel's blocks as `splash_program` plans them (the backward's at its longest q
-    blocks, its fallback)."""
+    """The active kernel's blocks as `splash_program` plans them where its lists are longest: the
+    backward's at its longest q blocks (its fallback), the forward's at the q blocks of an unknown
+    generation (the fallback of longer ones, `Plan.active_block_q`)."""
     (q_len, kv_len), head_dim = plan.active_block_lengths(), max(plan.head_dim, plan.head_dim_v)
     if backward:
         most_rows = active_backward_rows(stored)[-1]

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import active_kernels, compat, policy
 from . import tables as _tables
-from .block_planning import active_backward_blocks, active_backward_rows, active_forward_blocks
+from .block_planning import active_backward_blocks, active_backward_rows, active_block_q, active_forward_blocks
 from .errors import SplashConstraintError
 from .kernel_limits import active_table_entries, compute_dtype
 from .kernel_tables import KernelTables
@@ -442,12 +442,30 @@ class _ActiveForward:
         self.plan, self._made = plan, {} if made is None else made
         self.mask = shared_structured_mask(plan.mask)
         self.sharded = plan.q_shards > 1
-        head_dim = max(plan.head_dim, plan.head_dim_v)
-        stored = self.mask is None
-        self._plan_list(
-            active_forward_blocks(*plan.active_block_lengths(), head_dim, stored=stored, most_kv=plan.active_block_kv)
-        )
+        lengths, head_dim = plan.active_block_lengths(), max(plan.head_dim, plan.head_dim_v)
+
+        def blocks(most_q):
+            return active_forward_blocks(
+                *lengths, head_dim, stored=self.mask is None, most_kv=plan.active_block_kv, most_q=most_q
+            )
+
+        self._plan_list(blocks(plan.active_block_q))
+        # q blocks longer than those of an unknown generation only where their partial blocks run as straight-line
+        # code: a branch a tile outgrew one instruction overlay (a 4096 window at 32K, 4096-row
+        # blocks: 1.12x and 1.15x the forward's time on v6e and v7x by the estimate; the v5e ran
+        # such code 2x to 3x slower)
+        if self.blocks["block_q"] > active_block_q(None) and self._branches_a_tile():
+            self._plan_list(blocks(None))
         _check_entries(self, plan, "forward_kernel")
+
+    def _branches_a_tile(self) -> bool:
+        """Whether the list's partial blocks run a branch a tile: too many patterns of tiles for
+        straight-line code (`active_kernels.tile_patterns`)."""
+        b, has_ids = self.blocks, self.plan.has_segment_ids
+        if self.stored is not None or not b["block_q_sub"] or not active_kernels.may_run_partial(self.grid, has_ids):
+            return False
+        tiles = (b["block_q"] // b["block_q_sub"]) * (b["block_kv"] // b["block_kv_compute"])
+        return not active_kernels.tile_patterns(self.grid, has_ids, tiles)
 
     def _plan_list(self, b: dict) -> None:
         """The blocks b's list: `grid` (the tables, numpy) and, for a stored mask, `stored` (the
