@@ -1,24 +1,27 @@
 """The active-block kernels against the plan's JAX splash kernels, per TPU generation, estimated from
 the TPU compiler's schedule (libtpu 0.0.52, deviceless): the training calls of `tpu_check`'s table
-(B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x, each a training
-step's program (forward, then backward) of the plan, and of the plan with
+(B=1 at 16K and 32K tokens, batches of 4 and 8 at 1K to 4K) on v5e, v5p, v6e and v7x, each a
+training step's program (forward, then backward) of the plan, and of the plan with
 `BlockSizes(forward_kernel="active")` (the active forward and backward), each planned for the
 generation (`Plan.generation`); on every generation also the active kernels scheduled by the TPU
 compiler's other scheduler ("other scheduler", `Plan.scheduler`: its default or LP, of which
-`block_planning.LP_SCHEDULER` chooses) and with the forward's logits laid out the other way
-("other logits", `Plan.forward_logits`: by rows or transposed, transposed with its rows summed on
-the vector unit; of which `block_planning.TRANSPOSED_LOGITS` chooses), on v6e and v7x with their
-forward's rows summed the other way ("other sums", `Plan.row_sums`: in the MXU or on the vector
-unit, of which `block_planning.SUMS_ON_MXU` chooses), and at head_dim above 128 with the other
-longest key block ("other key blocks", `Plan.active_block_kv`: 1024 or 2048, of which
-`block_planning.WIDE_HEADS_BLOCK_KV` chooses; a choice must keep every kernel's code in one
-instruction overlay, `tpu_time.KernelTime.fits_overlay`). Every figure is an estimate
-(torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also measured
-(docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For segment ids
-the estimate counts the host's block kinds, an upper bound on the full blocks the kernels find on
-the device.
+`block_planning.LP_SCHEDULER` chooses) and with the forward's logits laid out the other way ("other
+logits", `Plan.forward_logits`: by rows or transposed, transposed with its rows summed on the vector
+unit; of which `block_planning.TRANSPOSED_LOGITS` chooses), on v6e and v7x with their forward's rows
+summed the other way ("other sums", `Plan.row_sums`: in the MXU or on the vector unit, of which
+`block_planning.SUMS_ON_MXU` chooses), and at head_dim above 128 with the other longest key block
+("other key blocks", `Plan.active_block_kv`: 1024 or 2048, of which
+`block_planning.WIDE_HEADS_BLOCK_KV` chooses), and with the forward's other longest q block ("other
+q blocks", `Plan.active_block_q`: 2048 or 4096, of which `block_planning.LONG_BLOCK_Q` chooses;
+where the forward's blocks differ: a mask read from stored blocks keeps blocks of 1024, and longer
+blocks whose partial blocks would need a branch a tile fall back to 2048). A choice must keep every
+kernel's code in one instruction overlay (`tpu_time.KernelTime.fits_overlay`). Every figure is an
+estimate (torch_splash_jax.tpu_time says what it leaves out); on v5e the same calls were also
+measured (docs/benchmarks.md, "The real chip"), which gives the estimate's error for both. For
+segment ids the estimate counts the host's block kinds, an upper bound on the full blocks the
+kernels find on the device.
 
-    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 4 to 6 programs: about 27 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 4 to 7 programs: about 35 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
@@ -70,16 +73,30 @@ def _kernels(kernels, generation: str) -> dict:
     )
 
 
-VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks", "other logits")
+VARIANTS = ("plan", "active", "other scheduler", "other sums", "other key blocks", "other logits", "other q blocks")
 OTHER_BLOCK_KV = {1024: 2048, 2048: 1024}  # at head_dim above 128 (`block_planning.active_block_kv`)
 
 
 def _variants(generation: str, call) -> tuple:
+    import dataclasses
+
     from torch_splash_jax.block_planning import LANES, mxu_columns_left_idle
+    from torch_splash_jax.plan import with_kernels
+    from torch_splash_jax.tpu_check.chip import other_q_blocks
 
     sums = mxu_columns_left_idle(generation, call.dv)
     wide = max(call.head_dim, call.dv) > LANES
-    return VARIANTS[:3] + ("other sums",) * sums + ("other key blocks",) * wide + ("other logits",)
+    # where the forward's blocks differ (not for a mask read from stored blocks, at most 1024 a side)
+    stored = call.mask in ("dense", "causal-tensor", "per-head")
+    plan = dataclasses.replace(call, generation=generation).plan("tpu")
+    long = not stored and other_q_blocks(with_kernels(plan, "active")) is not None
+    return (
+        VARIANTS[:3]
+        + ("other sums",) * sums
+        + ("other key blocks",) * wide
+        + ("other logits",)
+        + ("other q blocks",) * long
+    )
 
 
 def _estimate(call, generation: str, variant: str) -> dict:
@@ -89,7 +106,7 @@ def _estimate(call, generation: str, variant: str) -> dict:
     import dataclasses
 
     from torch_splash_jax import tpu_time
-    from torch_splash_jax.block_planning import OTHER_LOGITS, OTHER_SCHEDULER
+    from torch_splash_jax.block_planning import OTHER_BLOCK_Q, OTHER_LOGITS, OTHER_SCHEDULER
     from torch_splash_jax.plan import with_forward_logits, with_kernels
 
     plan = dataclasses.replace(call, generation=generation).plan("tpu")
@@ -103,6 +120,8 @@ def _estimate(call, generation: str, variant: str) -> dict:
         plan = dataclasses.replace(plan, active_block_kv=OTHER_BLOCK_KV[plan.active_block_kv])
     if variant == "other logits":
         plan = with_forward_logits(plan, OTHER_LOGITS[plan.forward_logits])
+    if variant == "other q blocks":
+        plan = dataclasses.replace(plan, active_block_q=OTHER_BLOCK_Q[plan.active_block_q])
     try:
         estimate = tpu_time.estimate_in_subprocess(plan, generation, backward=True, libtpu_dir=_libtpu_dir())
     except Exception as error:  # noqa: BLE001  (a refusal is a result: the row says it)
@@ -116,6 +135,7 @@ def _estimate(call, generation: str, variant: str) -> dict:
             forward_logits=plan.forward_logits,
             scheduler=plan.scheduler,
             active_block_kv=plan.active_block_kv,
+            active_block_q=plan.active_block_q,
         )
     return dict(forward=_kernels(forward, generation), backward=_kernels(backward, generation), **choices)
 

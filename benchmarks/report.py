@@ -759,13 +759,16 @@ def _tpu_check(r: dict) -> str:
         "kernels with the TPU compiler's other scheduler than the generation's (`Plan.scheduler`: its default or "
         'LP, `block_planning.LP_SCHEDULER`), and their time over the generation\'s choice; "other logits": '
         "with their forward's logits laid out the other way (`Plan.forward_logits`: by rows or transposed, "
-        "`block_planning.TRANSPOSED_LOGITS`), likewise.",
+        '`block_planning.TRANSPOSED_LOGITS`), likewise; "other q blocks": with their forward\'s other longest q '
+        "block (`Plan.active_block_q`: 2048 or 4096 rows, `block_planning.LONG_BLOCK_Q`; blank where the blocks "
+        "come out the same), likewise.",
         "",
         "| call | the plan | batch as heads vs a call per element (step) | JAX splash, MaxText blocks "
         "| plan / JAX (step) | JAX splash, the plan's blocks | XLA dense | MXU (forward) | estimate | error "
         "| active forward | active kernels | active / plan (forward / step) | MXU (active forward) "
-        "| other scheduler (its / the generation's) | other logits (its / the generation's) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| other scheduler (its / the generation's) | other logits (its / the generation's) "
+        "| other q blocks (its / the generation's) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     estimates = _chip_estimates(r)
 
@@ -799,8 +802,8 @@ def _tpu_check(r: dict) -> str:
             )
             active_mxu = f"{flops / (both['forward_ms'] * 1e-3) / rate:.0%}" if flops and rate else ""
         others = []
-        for name in ("plan, active kernels, other scheduler", "plan, active kernels, other logits"):
-            other = v.get(name, {})
+        for name in ("scheduler", "logits", "q blocks"):
+            other = v.get(f"plan, active kernels, other {name}", {})
             keys = [k for k in ("forward_ms", "step_ms") if k in other and k in both]
             versus = " / ".join(f"{other[k] / both[k]:.2f}x" for k in keys)
             others.append(f"{pair(other)}{f' ({versus})' if versus else ''}")
@@ -970,6 +973,14 @@ CHOICE_TABLES = (
         "head_dim above 128), estimated ms of the forward (their ratio; the step's ratio); * the generation's choice "
         "(`block_planning.WIDE_HEADS_BLOCK_KV`); † a kernel's code outgrows one instruction overlay "
         "(`tpu_time.KernelTime.fits_overlay`), where the chip runs slower than the estimate says.",
+    ),
+    (
+        "other q blocks",
+        "active_block_q",
+        (2048, 4096),
+        "Query blocks: the active forward with q blocks of at most 2048 / 4096 rows (`Plan.active_block_q`; at 4096 "
+        "its partial blocks in 1024-row tiles), estimated ms of the forward (their ratio; the step's ratio); * the "
+        "generation's choice (`block_planning.LONG_BLOCK_Q`); † a kernel's code outgrows one instruction overlay.",
     ),
 )
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import compat
-from ..block_planning import OTHER_LOGITS, OTHER_SCHEDULER
+from ..block_planning import OTHER_BLOCK_Q, OTHER_LOGITS, OTHER_SCHEDULER
 from ..errors import SplashConstraintError
 from ..kernel_limits import DEVICE_KINDS
 from ..plan import Plan, with_forward_logits, with_kernels
@@ -179,6 +179,13 @@ def other_logits(plan):
     return with_forward_logits(plan, OTHER_LOGITS[plan.forward_logits])
 
 
+def other_q_blocks(plan):
+    """The plan with its active forward's other longest q block (`Plan.active_block_q`), None where
+    the forward's blocks come out the same (short queries, a mask read from stored blocks)."""
+    other = dataclasses.replace(plan, active_block_q=OTHER_BLOCK_Q[plan.active_block_q])
+    return other if cached_program(other).active.blocks != cached_program(plan).active.blocks else None
+
+
 def _active(plan, backward: str = "active"):
     """The plan with the active-block forward and the given backward, None where they do not serve
     it (refused at planning, or when its program is built: a block list past SMEM)."""
@@ -192,6 +199,7 @@ def _active(plan, backward: str = "active"):
 
 OTHER_SCHEDULER_VARIANT = "plan, active kernels, other scheduler"
 OTHER_LOGITS_VARIANT = "plan, active kernels, other logits"
+OTHER_Q_BLOCKS_VARIANT = "plan, active kernels, other q blocks"
 
 
 def _variants(call: Call, platform: str) -> dict:
@@ -224,6 +232,7 @@ def _variants(call: Call, platform: str) -> dict:
             other = OTHER_SCHEDULER[active.scheduler]  # (block_planning.LP_SCHEDULER; interpret mode has none)
             kernels.append((OTHER_SCHEDULER_VARIANT, dataclasses.replace(active, scheduler=other)))
             kernels.append((OTHER_LOGITS_VARIANT, other_logits(active)))  # (block_planning.TRANSPOSED_LOGITS)
+            kernels.append((OTHER_Q_BLOCKS_VARIANT, other_q_blocks(active)))  # (block_planning.LONG_BLOCK_Q)
         for name, fast_plan in kernels:
             if fast_plan is not None:
                 fast = cached_program(fast_plan)
