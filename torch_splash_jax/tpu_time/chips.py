@@ -52,7 +52,7 @@ assert tuple(CHIPS) == GENERATIONS  # the planner's generations (Plan.generation
 # to the real v5e's training forwards (real_chip.py, benchmarks/results/tpu_check_v5e.json); and one
 # stall at the end of every row of a kernel's grid, where its output is written back, the same on
 # every generation.
-CLOCK_FACTOR = {"v5e": 0.9811, "v5p": 1.0063, "v6e": 0.9993, "v7x": 1.1613}
+CLOCK_FACTOR = {"v5e": 0.9810, "v5p": 1.0063, "v6e": 0.9993, "v7x": 1.1613}
 ROW_STALL = 0.75e-6
 
 
