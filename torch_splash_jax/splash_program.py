@@ -450,10 +450,10 @@ class _ActiveForward:
             )
 
         self._plan_list(blocks(plan.active_block_q))
-        # q blocks longer than those of an unknown generation only where their partial blocks run as straight-line
-        # code: a branch a tile outgrew one instruction overlay (a 4096 window at 32K, 4096-row
-        # blocks: 1.12x and 1.15x the forward's time on v6e and v7x by the estimate; the v5e ran
-        # such code 2x to 3x slower)
+        # q blocks longer than those of an unknown generation only where their partial blocks run
+        # as straight-line code: a branch a tile outgrew one instruction overlay (a 4096 window at
+        # 32K, 4096-row blocks: 1.12x and 1.15x the forward's time on v6e and v7x by the estimate;
+        # the v5e ran such code 2x to 3x slower)
         if self.blocks["block_q"] > active_block_q(None) and self._branches_a_tile():
             self._plan_list(blocks(None))
         _check_entries(self, plan, "forward_kernel")

@@ -181,7 +181,8 @@ def other_logits(plan):
 
 def other_q_blocks(plan):
     """The plan with its active forward's other longest q block (`Plan.active_block_q`), None where
-    the forward's blocks come out the same (short queries, a mask read from stored blocks)."""
+    the forward's blocks come out the same (short queries, a mask read from stored blocks, longer
+    blocks that fall back: `splash_program`)."""
     other = dataclasses.replace(plan, active_block_q=OTHER_BLOCK_Q[plan.active_block_q])
     return other if cached_program(other).active.blocks != cached_program(plan).active.blocks else None
 
