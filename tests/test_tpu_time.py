@@ -18,6 +18,7 @@ import pytest
 
 import torch_splash_jax
 from torch_splash_jax import tpu_time
+from torch_splash_jax.block_planning import active_block_q
 from torch_splash_jax.errors import SplashConstraintError
 from torch_splash_jax.kernel_limits import FUSED_DQ_BUFFER_BYTES
 from torch_splash_jax.tpu_time import schedule
@@ -535,13 +536,15 @@ def test_the_active_kernels_are_estimated_by_the_tiles_their_blocks_take():
 def test_a_backward_whose_code_outgrows_the_overlay_is_flagged_where_the_v5e_ran_it_slow():
     """head_dim 256, causal, 2048-key blocks (v6e's plan): on v6e every kernel fits one instruction
     overlay; compiled for the v5e, the backward's code does not (78.3K bundles at 16K: the chip ran
-    that step 1.50x as long as its estimate), while its forward does (53.3K: at its pace). The code
-    is the blocks' whatever the length: 8K here."""
+    that step 1.50x as long as its estimate), while its forward does (53.3K: at its pace) at the
+    v5e's own q blocks (2048 rows; v6e's 4096 outgrow the v5e's overlay, `Plan.active_block_q`).
+    The code is the blocks' whatever the length: 8K here."""
     shape = dict(q_len=8192, num_q_heads=2, head_dim=256, dtype="bfloat16", mask=torch_splash_jax.CausalMask())
     plan = torch_splash_jax.plan(platform="tpu", generation="v6e", **shape)
     assert plan.active_block_kv == 2048 and plan.forward_kernel == plan.backward_kernel == "active"
     fits = {}
     for generation in ("v6e", "v5e"):
-        estimate = tpu_time.estimate_in_subprocess(plan, generation, True, libtpu_dir=LIBTPU)
+        compiled = plan if generation == "v6e" else dataclasses.replace(plan, active_block_q=active_block_q(generation))
+        estimate = tpu_time.estimate_in_subprocess(compiled, generation, True, libtpu_dir=LIBTPU)
         fits[generation] = {k.kind: k.fits_overlay for k in estimate.kernels}
     assert fits == {"v6e": {"forward": True, "dkv": True}, "v5e": {"forward": True, "dkv": False}}
