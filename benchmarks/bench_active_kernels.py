@@ -21,7 +21,7 @@ measured (docs/benchmarks.md, "The real chip"), which gives the estimate's error
 segment ids the estimate counts the host's block kinds, an upper bound on the full blocks the
 kernels find on the device.
 
-    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 4 to 7 programs: about 35 minutes on 2 cores
+    ./dev.sh bench-active-kernels            # 13 calls, 4 generations, 4 to 7 programs: about 40 minutes on 2 cores
     ./dev.sh bench-active-kernels --quick    # one call on v6e
 
 Writes benchmarks/results/active_kernels.json (or active_kernels_quick.json). Runs in the current set
