@@ -86,10 +86,8 @@ def _variants(generation: str, call) -> tuple:
 
     sums = mxu_columns_left_idle(generation, call.dv)
     wide = max(call.head_dim, call.dv) > LANES
-    # where the forward's blocks differ (not for a mask read from stored blocks, at most 1024 a side)
-    stored = call.mask in ("dense", "causal-tensor", "per-head")
     plan = dataclasses.replace(call, generation=generation).plan("tpu")
-    long = not stored and other_q_blocks(with_kernels(plan, "active")) is not None
+    long = other_q_blocks(with_kernels(plan, "active")) is not None  # where the forward's blocks differ
     return (
         VARIANTS[:3]
         + ("other sums",) * sums

@@ -26,6 +26,7 @@ from .. import compat
 from ..block_planning import OTHER_BLOCK_Q, OTHER_LOGITS, OTHER_SCHEDULER
 from ..errors import SplashConstraintError
 from ..kernel_limits import DEVICE_KINDS
+from ..masks import shared_structured_mask
 from ..plan import Plan, with_forward_logits, with_kernels
 from ..program_cache import program as cached_program
 from ..splash_program import Program
@@ -183,6 +184,8 @@ def other_q_blocks(plan):
     """The plan with its active forward's other longest q block (`Plan.active_block_q`), None where
     the forward's blocks come out the same (short queries, a mask read from stored blocks, longer
     blocks that fall back: `splash_program`)."""
+    if shared_structured_mask(plan.mask) is None:  # stored blocks: at most 1024 a side, no program built
+        return None
     other = dataclasses.replace(plan, active_block_q=OTHER_BLOCK_Q[plan.active_block_q])
     return other if cached_program(other).active.blocks != cached_program(plan).active.blocks else None
 
